@@ -1,0 +1,175 @@
+"""A small GPT (nanoGPT-like) with a KV cache for incremental decoding. Knows nothing about RL.
+
+Rows of a batch may be left-padded. Callers then pass, for every forward pass:
+  pos   (B, T) absolute positions, so a row's real tokens get the positions they would get alone
+        (`positions(valid)`), and
+  mask  (B, 1, T, S) bool attention mask over the S keys seen so far (`attention_mask(...)`).
+With neither, the batch is taken as unpadded and attention is plain causal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 192
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+
+
+def positions(valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool -> (B, T) long: index of each real token within its row (pads get 0)."""
+    return (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
+def attention_mask(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Causal mask for the last `q_len` of S keys, hiding pad keys: (B, S) -> (B, 1, q_len, S).
+
+    A pad query still attends to itself so no row is fully masked (SDPA would return NaN);
+    its output is never used.
+    """
+    S = key_valid.size(1)
+    q = torch.arange(S - q_len, S, device=key_valid.device)[:, None]  # (q_len, 1)
+    k = torch.arange(S, device=key_valid.device)[None, :]  # (1, S)
+    m = (k <= q)[None] & key_valid[:, None, :]  # (B, q_len, S)
+    return (m | (k == q)[None])[:, None]
+
+
+class KVCache:
+    """Pre-allocated keys and values for every layer: (n_layer, B, nh, max_len, hs)."""
+
+    def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
+        shape = (n_layer, batch, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.len = 0  # positions filled so far
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Writes this step's (B, nh, T, hs) keys/values; returns all keys/values up to them."""
+        T = k.size(2)
+        self.k[layer, :, :, self.len:self.len + T] = k
+        self.v[layer, :, :, self.len:self.len + T] = v
+        end = self.len + T
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, mask=None, cache: KVCache | None = None, layer: int = 0):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nh, S, hs)
+        p = self.dropout if self.training else 0.0
+        if mask is None:
+            if cache is not None and cache.len > 0:
+                raise ValueError("incremental decoding needs an attention mask")
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, mask=None, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gradient_checkpointing = False
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layer, batch, c.n_head, max_len, c.n_embd // c.n_head,
+                       self.wte.weight.device, dtype or self.wte.weight.dtype)
+
+    def forward(self, idx, pos=None, mask=None, cache: KVCache | None = None,
+                logits_from: int = 0):
+        """idx (B, T) -> logits (B, T - logits_from, V).
+
+        `logits_from` skips the LM head for positions whose logits nobody needs (the prompt).
+        With a cache, keys/values are appended to it and it advances by T. Positions must stay
+        below block_size; callers check lengths up front (a check here would sync every token).
+        """
+        B, T = idx.shape
+        if pos is None:
+            start = cache.len if cache is not None else 0
+            pos = torch.arange(start, start + T, device=idx.device)[None]  # (1, T)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        ckpt = self.gradient_checkpointing and self.training and cache is None
+        for i, block in enumerate(self.blocks):
+            if ckpt:
+                x = checkpoint(block, x, mask, use_reentrant=False)
+            else:
+                x = block(x, mask, cache, i)
+        if cache is not None:
+            cache.len += T
+        x = self.ln_f(x[:, logits_from:])
+        return self.lm_head(x)  # (B, T', V)

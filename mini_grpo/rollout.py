@@ -1,0 +1,145 @@
+"""Batched sampling with a KV cache, and the log-prob pass that scores the same tokens.
+
+Prompts of different lengths are left-padded; every real token gets the absolute position it
+would have alone, both while sampling and in `completion_logprobs`, so the log-probs recorded at
+sampling time equal those of the training forward pass (up to float rounding).
+
+Log-probs are those of the sampling distribution before top-k/top-p truncation:
+log_softmax(logits / temperature). Use the same temperature when re-scoring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .model import GPT, attention_mask, positions
+from .tokenizer import CharTokenizer
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (B, P) left-padded with pad_id
+    prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
+    completion_ids: torch.Tensor  # (B, N) pad_id after each row's EOS
+    completion_mask: torch.Tensor  # (B, N) bool, True up to and including EOS
+    logprobs: torch.Tensor  # (B, N) fp32 log-prob of each sampled token, 0 where masked
+    finished: torch.Tensor  # (B,) bool, the row emitted EOS (else it hit max_new_tokens)
+    texts: list[str] | None = None  # decoded completions, without EOS
+
+
+def pad_left(seqs: list[list[int]], pad_id: int, device=None):
+    """list of id lists -> (ids (B, P), mask (B, P) bool), right-aligned."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, P - len(s):] = True
+    return ids.to(device), mask.to(device)
+
+
+def _pick(logits, temperature, top_k, top_p, greedy, generator):
+    """logits (B, V) fp32 -> (token (B,), its log-prob under logits / temperature (B,))."""
+    logp = F.log_softmax(logits / temperature, dim=-1)
+    if greedy:
+        tok = logits.argmax(-1)
+    else:
+        filt = logp
+        if top_k and top_k < logits.size(-1):
+            kth = filt.topk(top_k, dim=-1).values[:, -1:]
+            filt = filt.masked_fill(filt < kth, float("-inf"))
+        if top_p < 1.0:
+            sorted_lp, idx = filt.sort(dim=-1, descending=True)
+            cum = sorted_lp.softmax(-1).cumsum(-1)
+            drop = cum - sorted_lp.softmax(-1) >= top_p  # keep the smallest set reaching top_p
+            filt = filt.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
+        tok = torch.multinomial(filt.softmax(-1), 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+             pad_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             greedy: bool = False, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> Rollout:
+    """Samples up to max_new_tokens per prompt, one forward pass per new token for the batch.
+
+    Stops as soon as every row has emitted EOS. `use_cache=False` recomputes the whole
+    sequence at each step (the baseline the KV cache is measured against).
+    """
+    device = model.wte.weight.device
+    ids, pmask = pad_left(prompts, pad_id, device)  # (B, P)
+    B, P = ids.shape
+    N = max_new_tokens
+    if P + N > model.cfg.block_size:
+        raise ValueError(f"prompt length {P} + max_new_tokens {N} exceeds block_size "
+                         f"{model.cfg.block_size}")
+    was_training = model.training
+    model.eval()
+
+    out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
+    out_mask = torch.zeros((B, N), dtype=torch.bool, device=device)
+    out_lp = torch.zeros((B, N), dtype=torch.float32, device=device)
+    key_valid = torch.zeros((B, P + N), dtype=torch.bool, device=device)
+    key_valid[:, :P] = pmask
+    all_pos = torch.zeros((B, P + N), dtype=torch.long, device=device)
+    all_pos[:, :P] = positions(pmask)
+    all_pos[:, P:] = pmask.sum(1, keepdim=True) + torch.arange(N, device=device)
+    seq = torch.cat([ids, out], dim=1)  # (B, P + N) for the no-cache path
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+
+    cache = model.new_cache(B, P + N) if use_cache else None
+    logits = model(ids, all_pos[:, :P], attention_mask(pmask, P), cache, logits_from=P - 1)
+    steps = 0
+    for t in range(N):
+        tok, lp = _pick(logits[:, -1].float(), temperature, top_k, top_p, greedy, generator)
+        tok = tok.masked_fill(done, pad_id)
+        out[:, t] = tok
+        out_mask[:, t] = ~done
+        out_lp[:, t] = lp.masked_fill(done, 0.0)
+        key_valid[:, P + t] = ~done
+        done |= tok == eos_id
+        steps = t + 1
+        if t == N - 1 or bool(done.all()):  # the one host sync per token: EOS check
+            break
+        if use_cache:
+            mask = attention_mask(key_valid[:, :P + t + 1], 1)
+            logits = model(tok[:, None], all_pos[:, P + t:P + t + 1], mask, cache)
+        else:
+            S = P + t + 1
+            seq[:, P + t] = tok
+            logits = model(seq[:, :S], all_pos[:, :S], attention_mask(key_valid[:, :S], S),
+                           logits_from=S - 1)
+    model.train(was_training)
+    return Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps],
+                   done.clone())
+
+
+def sample(model: GPT, tokenizer: CharTokenizer, prompts: list[str], max_new_tokens: int,
+           **kw) -> Rollout:
+    """Text in, Rollout with decoded `texts` out. Prompts are encoded with a leading BOS."""
+    enc = [tokenizer.encode(p, bos=True) for p in prompts]
+    r = generate(model, enc, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, **kw)
+    r.texts = [tokenizer.decode(row) for row in r.completion_ids.tolist()]
+    return r
+
+
+def completion_logprobs(model: GPT, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of the completion tokens in one full forward pass: (B, N) fp32, 0 where masked.
+
+    This is the pass the trainer uses; its positions and mask match `generate` exactly.
+    """
+    P = prompt_ids.size(1)
+    seq = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + N)
+    valid = torch.cat([prompt_mask, completion_mask], dim=1)
+    S = seq.size(1)
+    logits = model(seq[:, :-1], positions(valid)[:, :-1], attention_mask(valid[:, :-1], S - 1),
+                   logits_from=P - 1)  # (B, N, V): position P-1+t predicts completion token t
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    lp = logp.gather(-1, completion_ids[..., None]).squeeze(-1)
+    return lp.masked_fill(~completion_mask, 0.0)

@@ -1,0 +1,104 @@
+"""Config precedence and bad-input errors, through the real entry point as a subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mini_grpo.config import ConfigError, GRPOConfig, load_config, parse_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_entry(*args, env=None, cwd=None):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("USE_AMP", "MAX_STEPS")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / "distributed_train.py"), *args],
+                          capture_output=True, text=True, env=full_env, cwd=cwd or ROOT,
+                          timeout=120)
+
+
+def test_precedence_defaults_yaml_env_cli(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lr: 0.001\nmax_steps: 7\nuse_amp: false\nseed: 5\n")
+    r = run_entry("--config", str(cfg_file), "--seed=9", "--print-config",
+                  env={"USE_AMP": "true", "MAX_STEPS": "11"})
+    assert r.returncode == 0, r.stderr
+    got = yaml.safe_load(r.stdout)
+    assert got["lr"] == 0.001  # YAML over default
+    assert got["use_amp"] is True  # env over YAML
+    assert got["max_steps"] == 11  # env over YAML
+    assert got["seed"] == 9  # CLI over YAML
+    assert got["group_size"] == GRPOConfig().group_size  # untouched default
+    r = run_entry("--config", str(cfg_file), "--max_steps", "3", "--print-config",
+                  env={"MAX_STEPS": "11"})
+    assert yaml.safe_load(r.stdout)["max_steps"] == 3  # CLI over env, space-separated form
+
+
+def test_bare_name_is_looked_up_in_configs():
+    for name in ("tiny", "tiny.yaml"):
+        r = run_entry("--config", name, "--print-config")
+        assert r.returncode == 0, r.stderr
+        assert yaml.safe_load(r.stdout)["out_dir"] == "runs/tiny"
+
+
+@pytest.mark.parametrize("yaml_text, args, env, expected", [
+    ("lrr: 0.1\n", [], {}, ["lrr", "did you mean 'lr'", ":1:"]),
+    ("seed: 1\nlr: fast\n", [], {}, ["lr", "fast", ":2:"]),
+    ("lr: -0.1\n", [], {}, ["lr", ">= 0"]),
+    ("group_size: 1\n", [], {}, ["group_size", ">= 2"]),
+    ("temperature: 0\n", [], {}, ["temperature", "> 0"]),
+    ("seed: 1\nlr: [1, 2\n", [], {}, ["malformed YAML", ":3"]),
+    ("", [], {"USE_AMP": "maybe"}, ["USE_AMP", "maybe"]),
+    ("", ["--max_stepz=3"], {}, ["max_stepz", "did you mean 'max_steps'"]),
+    ("", ["--group_size=x"], {}, ["group_size", "'x'"]),
+    ("", ["--amp_dtype=int8"], {}, ["amp_dtype", "bfloat16"]),
+    ("rewards: [{weight: 1}]\n", [], {}, ["rewards[0]", "name"]),
+])
+def test_bad_input_exits_2_naming_the_culprit(tmp_path, yaml_text, args, env, expected):
+    cfg_file = tmp_path / "bad.yaml"
+    cfg_file.write_text(yaml_text)
+    r = run_entry("--config", str(cfg_file), *args, env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    for needle in expected:
+        assert needle in lines[0], (needle, lines[0])
+    assert r.stdout == ""  # failed before any work
+
+
+def test_missing_config_file_exits_2():
+    r = run_entry("--config", "no_such_config.yaml")
+    assert r.returncode == 2
+    assert "no_such_config.yaml" in r.stderr and "tiny" in r.stderr  # lists what exists
+
+
+def test_load_config_in_process_and_saved_yaml_round_trips(tmp_path):
+    cfg = load_config("tiny", {"lr": "3e-4", "use_amp": "on"}, env={})
+    assert cfg.lr == 3e-4 and cfg.use_amp is True and cfg.n_layer == 2
+    cfg.save(tmp_path / "config.yaml")
+    again = load_config(str(tmp_path / "config.yaml"), env={})
+    assert again == cfg
+
+
+def test_env_values_are_parsed_by_type():
+    cfg = load_config(None, env={"USE_AMP": "Yes", "NUM_WORKERS": "3", "AMP_DTYPE": "float16",
+                                 "USE_TF32": "0"})
+    assert (cfg.use_amp, cfg.num_reward_workers, cfg.amp_dtype, cfg.use_tf32) == \
+        (True, 3, "float16", False)
+    with pytest.raises(ConfigError, match="NUM_WORKERS"):
+        load_config(None, env={"NUM_WORKERS": "two"})
+    with pytest.raises(ConfigError, match="num_reward_workers: must be > 0"):
+        load_config(None, env={"NUM_WORKERS": "0"})
+
+
+def test_parse_cli_forms():
+    assert parse_cli(["--config", "x", "--lr=1", "--max-steps", "2"]) == \
+        ("x", {"lr": "1", "max_steps": "2"})
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_cli(["lr=1"])
+    with pytest.raises(ConfigError, match="--lr: missing value"):
+        parse_cli(["--lr"])

@@ -1,0 +1,102 @@
+import torch
+
+from mini_grpo.model import GPT, GPTConfig
+from mini_grpo.rollout import completion_logprobs, generate, sample
+from mini_grpo.tokenizer import CharTokenizer
+
+EOS, PAD = 2, 0
+PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13, 14]]
+
+
+def tiny_gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+def boost_eos(m, amount):
+    """Adds `amount` to the EOS logit of every forward pass."""
+    bias = torch.zeros(m.cfg.vocab_size)
+    bias[EOS] = amount
+    m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+
+
+def test_ragged_batch_greedy_equals_each_prompt_alone():
+    m = tiny_gpt()
+    batch = generate(m, PROMPTS, 16, EOS, PAD, greedy=True)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(m, [p], 16, EOS, PAD, greedy=True)
+        n = alone.completion_ids.size(1)
+        assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0].tolist()
+        torch.testing.assert_close(batch.logprobs[i, :n], alone.logprobs[0], rtol=0, atol=1e-5)
+
+
+def test_sampling_logprobs_equal_full_forward_pass():
+    m = tiny_gpt()
+    for temperature in (1.0, 0.7):
+        g = torch.Generator().manual_seed(3)
+        r = generate(m, PROMPTS, 20, EOS, PAD, temperature=temperature, generator=g)
+        lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                 r.completion_mask, temperature=temperature)
+        torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
+
+
+def test_kv_cache_and_recompute_sample_the_same_tokens():
+    m = tiny_gpt()
+    a = generate(m, PROMPTS, 20, EOS, PAD, generator=torch.Generator().manual_seed(5))
+    b = generate(m, PROMPTS, 20, EOS, PAD, generator=torch.Generator().manual_seed(5),
+                 use_cache=False)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_each_row_stops_at_its_own_eos_and_is_masked_after():
+    m = tiny_gpt()
+    boost_eos(m, 2.0)  # EOS likely, so rows end at different steps
+    r = generate(m, PROMPTS * 4, 30, EOS, PAD, generator=torch.Generator().manual_seed(0))
+    assert r.finished.any() and r.completion_ids.size(1) <= 30
+    ends = set()
+    for ids, mask, lp, fin in zip(r.completion_ids.tolist(), r.completion_mask.tolist(),
+                                  r.logprobs, r.finished.tolist()):
+        n = sum(mask)
+        assert mask == [True] * n + [False] * (len(mask) - n)  # 1 up to and including EOS
+        if fin:
+            assert ids[n - 1] == EOS and EOS not in ids[:n - 1]
+            ends.add(n)
+        assert all(t == PAD for t in ids[n:])
+        assert (lp[n:] == 0).all() and (lp[:n] < 0).all()
+    assert len(ends) > 1  # rows really ended at different lengths
+
+
+def test_stops_when_every_row_has_ended():
+    m = tiny_gpt()
+    boost_eos(m, 100.0)  # EOS always wins
+    r = generate(m, PROMPTS, 30, EOS, PAD, greedy=True)
+    assert r.completion_ids.size(1) == 1 and r.finished.all()
+
+
+def test_greedy_is_deterministic_and_same_seed_same_samples():
+    m = tiny_gpt()
+    g1 = generate(m, PROMPTS, 20, EOS, PAD, greedy=True)
+    g2 = generate(m, PROMPTS, 20, EOS, PAD, greedy=True)
+    assert torch.equal(g1.completion_ids, g2.completion_ids)
+    s = [generate(m, PROMPTS, 20, EOS, PAD, top_k=10, top_p=0.9,
+                  generator=torch.Generator().manual_seed(s)).completion_ids for s in (7, 7, 8)]
+    assert torch.equal(s[0], s[1]) and not torch.equal(s[0], s[2])
+
+
+def test_top_k_one_is_greedy():
+    m = tiny_gpt()
+    g = generate(m, PROMPTS, 12, EOS, PAD, greedy=True)
+    k1 = generate(m, PROMPTS, 12, EOS, PAD, top_k=1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(g.completion_ids, k1.completion_ids)
+
+
+def test_sample_decodes_text_without_eos():
+    tok = CharTokenizer("abcdefgh:")
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=1,
+                      n_embd=16)).eval()
+    r = sample(m, tok, ["ab:", "h:"], 10, generator=torch.Generator().manual_seed(0))
+    assert len(r.texts) == 2
+    for text, ids in zip(r.texts, r.completion_ids.tolist()):
+        assert text == tok.decode(ids)
