@@ -35,6 +35,8 @@ class GRPOConfig:
     seed: int = 1337
     device: str = "auto"  # auto = cuda if available, else cpu
     resume: str = "auto"  # auto | never | path to a checkpoint
+    mode: Literal["sft_grpo", "sft", "grpo"] = "sft_grpo"  # which stages the train job runs
+    init_from: str = ""  # checkpoint whose weights start the run (before SFT)
 
     # ---- task and data ----
     task: str = "chess_fen"

@@ -68,3 +68,15 @@ def test_weight_tying_param_count_and_grad_checkpointing_gradients_match():
         grads.append([p.grad.clone() for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_manual_attention_matches_sdpa_with_and_without_padding():
+    m = tiny_gpt()
+    idx = torch.randint(4, 40, (2, 9))
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[0, :3] = False
+    ref = [m(idx), m(idx, positions(valid), attention_mask(valid, 9))]
+    m.attn_impl = "manual"
+    got = [m(idx), m(idx, positions(valid), attention_mask(valid, 9))]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,51 @@
+"""Data order and batch encoding shared by SFT and GRPO.
+
+The order is a function of (seed, step) alone: no iterator state to save, so a resumed run
+sees exactly the prompts the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tokenizer import CharTokenizer
+
+
+def batch_indices(n: int, batch: int, step: int, seed: int) -> list[int]:
+    """Indices of the `batch` examples of `step` (from 0): consecutive slices of a fresh
+    permutation of range(n) per epoch, wrapping across epoch boundaries."""
+    out: list[int] = []
+    start = step * batch
+    while len(out) < batch:
+        epoch, offset = divmod(start + len(out), n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        out.extend(perm[offset:offset + batch - len(out)].tolist())
+    return out
+
+
+def shard(items: list, rank: int, world_size: int) -> list:
+    """This rank's contiguous share of a global batch (sizes differ by at most one)."""
+    n = len(items)
+    return items[rank * n // world_size:(rank + 1) * n // world_size]
+
+
+def sft_batch(tok: CharTokenizer, pairs: list[tuple[str, str]], device=None):
+    """(prompt, target) pairs -> (idx (B, T), targets (B, T)), right-padded.
+
+    The model reads BOS + prompt + target and is trained to predict target + EOS only:
+    targets are -1 (ignored) on prompt positions and padding.
+    """
+    rows, labels = [], []
+    for prompt, target in pairs:
+        p = tok.encode(prompt, bos=True)
+        t = tok.encode(target, eos=True)
+        seq = p + t
+        rows.append(seq[:-1])
+        labels.append([-1] * (len(p) - 1) + t)
+    T = max(map(len, rows))
+    idx = torch.full((len(rows), T), tok.pad_id, dtype=torch.long)
+    tgt = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, (r, lab) in enumerate(zip(rows, labels)):
+        idx[i, :len(r)] = torch.tensor(r)
+        tgt[i, :len(lab)] = torch.tensor(lab)
+    return idx.to(device), tgt.to(device)

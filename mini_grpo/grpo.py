@@ -1,0 +1,107 @@
+"""The GRPO algorithm as pure tensor functions: advantages, token log-probs, the loss.
+
+Shapes: B sequences (prompts x group size, flattened group-major), T completion tokens, V vocab.
+
+Loss variants are parameters, not switches spread through the trainer:
+  scale_rewards  group: (r - group mean) / (group std + eps)     (GRPO)
+                 batch: (r - group mean) / (batch std + eps)
+                 none:  r - group mean                            (Dr. GRPO)
+  agg            grpo:    mean over each sequence's tokens, then over sequences
+                 dapo:    sum over all tokens / number of tokens in the global batch
+                 dr_grpo: sum over all tokens / (sequences x max_new_tokens)
+Per token: clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with
+r = exp(logp - old_logp), plus beta * KL(pi || ref) with the k3 estimator
+exp(ref - logp) - (ref - logp) - 1.
+
+The normalisers (`num_seqs`, `num_tokens`) are for the *global* batch, so summing the losses of
+micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
+                     eps: float = 1e-4, batch_std: torch.Tensor | float | None = None):
+    """rewards (B,) grouped as B/G consecutive groups -> (advantages (B,), zero_spread (B/G,)).
+
+    `batch_std` overrides the local std for scale="batch" (DDP passes the global one).
+    Groups whose rewards are all equal get zero advantage under every scaling.
+    """
+    r = rewards.float().view(-1, group_size)  # (B/G, G)
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True, unbiased=False)
+    zero_spread = (r.max(dim=1).values - r.min(dim=1).values) == 0
+    a = r - mean
+    if scale == "group":
+        a = a / (std + eps)
+    elif scale == "batch":
+        s = rewards.float().std(unbiased=False) if batch_std is None else batch_std
+        a = a / (s + eps)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
+    a = a.masked_fill(zero_spread[:, None], 0.0)  # exactly 0, even with eps = 0 (no 0/0)
+    return a.view(-1), zero_spread
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
+    """logits (B, T, V), tokens (B, T) -> (logp (B, T), entropy (B, T)), in fp32."""
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def grpo_loss(logp, old_logp, adv, mask, *, ref_logp=None, beta: float = 0.0,
+              eps_low: float = 0.2, eps_high: float = 0.2, agg: str = "grpo",
+              num_seqs: int | None = None, num_tokens: float | None = None,
+              max_new_tokens: int | None = None, entropy=None):
+    """The GRPO loss of one (micro-)batch and its detached statistics.
+
+    logp, old_logp, ref_logp, entropy: (B, T) fp32; adv: (B,); mask: (B, T) completion mask.
+    num_seqs / num_tokens: the global batch's sequence and token counts (default: this batch).
+    Returns (loss, stats): stats are detached 0-d tensors, token means of kl, clip_low,
+    clip_high, ratio and entropy over this batch.
+    """
+    m = mask.float()
+    num_seqs = logp.size(0) if num_seqs is None else num_seqs
+    num_tokens = m.sum() if num_tokens is None else num_tokens
+    A = adv[:, None]  # (B, 1)
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * A, clipped * A)
+    kl = None
+    if beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta != 0 needs ref_logp")
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+        per_token = per_token + beta * kl
+
+    if agg == "grpo":
+        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs
+    elif agg == "dapo":
+        loss = (per_token * m).sum() / num_tokens
+    elif agg == "dr_grpo":
+        if max_new_tokens is None:
+            raise ValueError("agg='dr_grpo' needs max_new_tokens")
+        loss = (per_token * m).sum() / (num_seqs * max_new_tokens)
+    else:
+        raise ValueError(f"agg must be grpo, dapo or dr_grpo, got {agg!r}")
+
+    with torch.no_grad():  # tensors, not floats: no host sync per micro-batch
+        zero = torch.zeros((), device=logp.device)
+        stats = {
+            "kl": _masked_mean(kl, m) if kl is not None else zero,
+            "clip_low": _masked_mean(((ratio < 1 - eps_low) & (A < 0)).float(), m),
+            "clip_high": _masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), m),
+            "ratio": _masked_mean(ratio, m),
+            "entropy": _masked_mean(entropy, m) if entropy is not None else zero,
+        }
+    return loss, stats

@@ -1,0 +1,35 @@
+"""AdamW with nanoGPT's weight-decay groups, and the warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                   betas=(0.9, 0.99)) -> torch.optim.AdamW:
+    """Decay matrices only (not biases, LayerNorm or embeddings' 1-D params)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to min_ratio * base_lr at `total`.
+
+    `step` counts from 1 (the step about to be taken).
+    """
+    if warmup > 0 and step <= warmup:
+        return base_lr * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr

@@ -1,0 +1,53 @@
+"""The frozen reference policy for the KL term, optionally offloaded to CPU.
+
+With `offload`, the weights live in (pinned) CPU memory and are copied to the training device
+only for the duration of the reference pass (torch.func.functional_call), so the GPU holds one
+model's weights between passes; the log-probs are the same as without offload. On a CPU
+device the same code path runs with no copy (which is how the tests exercise it).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.func import functional_call
+
+from .rollout import completion_logprobs
+
+
+class _Streamed(torch.nn.Module):
+    """Runs `model`'s forward with weights taken from `state` (device copies of CPU weights)."""
+
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor]):
+        super().__init__()
+        self.model, self.state, self.cfg = model, state, model.cfg
+
+    def forward(self, *args, **kwargs):
+        return functional_call(self.model, self.state, args, kwargs, tie_weights=True)
+
+
+class Reference:
+    def __init__(self, model: torch.nn.Module, device: torch.device, offload: bool = False):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.offload = offload
+        self.device = device
+        if offload:
+            self.model.to("cpu")
+            pin = device.type == "cuda"  # pinned memory makes the host-to-device copy async
+            # lm_head.weight is tied to wte.weight: copy it once
+            self.cpu_state = {k: v.pin_memory() if pin else v
+                              for k, v in self.model.state_dict().items()
+                              if k != "lm_head.weight"}
+        else:
+            self.model.to(device)
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                 temperature: float = 1.0) -> torch.Tensor:
+        """(B, N) fp32 log-probs of the completion tokens under the reference policy."""
+        args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+        if not self.offload:
+            return completion_logprobs(self.model, *args)
+        state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}
+        return completion_logprobs(_Streamed(self.model, state), *args)

@@ -1,0 +1,19 @@
+"""Reward plugins: the registry and API (registry.py) plus the built-in scorers.
+
+Built-ins: fen_valid, board_accuracy, board_delta (fen.py); exact_match, levenshtein (text.py).
+See docs/rewards.md for writing your own.
+"""
+
+from mini_grpo.rewards import fen, text  # noqa: F401  (importing registers the built-ins)
+from mini_grpo.rewards.registry import (
+    ENTRY_POINT_GROUP,
+    REWARDS,
+    RewardFn,
+    available_rewards,
+    per_sample,
+    register,
+    resolve_reward,
+)
+
+__all__ = ["ENTRY_POINT_GROUP", "REWARDS", "RewardFn", "available_rewards", "per_sample",
+           "register", "resolve_reward"]

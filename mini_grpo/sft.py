@@ -1,0 +1,73 @@
+"""Supervised warm start: teacher forcing on prompt -> target, loss on target tokens only.
+
+Its checkpoints live in <out_dir>/sft/; GRPO starts from the last one (policy and reference).
+A finished SFT stage is not repeated when the run is restarted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import distributed as D
+from .checkpoint import latest_checkpoint, save_checkpoint
+from .config import GRPOConfig
+from .data import batch_indices, sft_batch, shard
+from .optim import lr_at, make_optimizer, set_lr
+from .precision import autocast
+
+
+def sft_dir(cfg: GRPOConfig) -> Path:
+    return Path(cfg.out_dir) / "sft"
+
+
+def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_model=None):
+    """Trains `model` in place for cfg.sft_steps, or loads the finished stage from disk."""
+    path, state = latest_checkpoint(sft_dir(cfg))
+    if state is not None and state.get("step") == cfg.sft_steps:
+        model.load_state_dict(state["model"])
+        if dist.is_main:
+            print(f"[sft] reusing finished SFT stage from {path}")
+        return path
+    net = ddp_model or model
+    opt = make_optimizer(model, cfg.sft_lr, cfg.weight_decay)
+    warmup = min(cfg.warmup_steps * 5, cfg.sft_steps // 10)
+    model.train()
+    t0, tokens = time.perf_counter(), 0
+    for step in range(1, cfg.sft_steps + 1):
+        idx = batch_indices(len(task.train), cfg.sft_batch_size, step - 1, cfg.seed)
+        pairs = [(task.train[i].prompt, task.train[i].target)
+                 for i in shard(idx, dist.rank, dist.world_size)]
+        x, y = sft_batch(tok, pairs, device)
+        lr = lr_at(step, cfg.sft_lr, warmup, cfg.sft_steps)
+        set_lr(opt, lr)
+        with autocast(cfg, device):
+            logits = net(x)
+        # mean over this rank's target tokens; ranks hold equal shares up to one row
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += x.numel()
+        if dist.is_main and (step % cfg.log_every == 0 or step == cfg.sft_steps):
+            dt = time.perf_counter() - t0
+            m = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(),
+                 "tokens_per_s": tokens * dist.world_size / dt}
+            if logger is not None:
+                logger.scalars(step, m, prefix="sft/")
+            if step % max(cfg.log_every, 10) == 0 or step == cfg.sft_steps:
+                eta = dt / step * (cfg.sft_steps - step)
+                print(f"[sft] step {step}/{cfg.sft_steps} loss {m['loss']:.4f} lr {lr:.2e} "
+                      f"{m['tokens_per_s']:.0f} tok/s ETA {eta / 60:.1f}m", flush=True)
+    path = None
+    if dist.is_main:
+        state = {"kind": "sft", "model": model.state_dict(), "step": cfg.sft_steps,
+                 "config": cfg.to_dict(), "tokenizer": tok.chars}
+        path = save_checkpoint(state, sft_dir(cfg), cfg.sft_steps, keep=1)
+        print(f"[sft] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
+    D.barrier()
+    return path

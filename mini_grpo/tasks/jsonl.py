@@ -1,0 +1,67 @@
+"""Bring-your-own data: a JSONL file with one {"prompt": ..., "target": ...} object per line.
+
+Fields other than prompt and target become the row's `meta` and reach reward plugins as is.
+Blank lines are skipped; anything else that is not such an object is an error naming the file
+and line, so a typo never silently drops training data.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mini_grpo.config import ConfigError, GRPOConfig
+from mini_grpo.tasks import Example, TaskData, split_held_out
+
+DEFAULT_REWARDS = [{"name": "levenshtein", "weight": 0.5}, {"name": "exact_match", "weight": 0.5}]
+
+
+def load_jsonl(path, tokenizer=None) -> list[Example]:
+    """Rows of the file; with a tokenizer, a row it cannot encode is an error naming the row."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read data file ({e.strerror})") from None
+    rows: list[Example] = []
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{where}: not valid UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{where}: expected an object with \"prompt\" and \"target\", "
+                                  f"got {type(obj).__name__}")
+            for key in ("prompt", "target"):
+                if key not in obj:
+                    raise ConfigError(f"{where}: missing \"{key}\"")
+                if not isinstance(obj[key], str):
+                    raise ConfigError(f"{where}: \"{key}\" must be a string, "
+                                      f"got {type(obj[key]).__name__}")
+            prompt, target = obj.pop("prompt"), obj.pop("target")
+            if tokenizer is not None:
+                bad = tokenizer.unknown_chars(prompt + target)
+                if bad:
+                    raise ConfigError(f"{where}: row {len(rows) + 1}: characters the tokenizer "
+                                      f"cannot encode: {''.join(bad)!r}")
+            rows.append(Example(prompt, target, obj))
+    if not rows:
+        raise ConfigError(f"{path}: no rows (the file is empty)")
+    return rows
+
+
+def build(cfg: GRPOConfig) -> TaskData:
+    if not cfg.data_path:
+        raise ConfigError("data_path: task 'jsonl' needs a JSONL file of {prompt, target} rows")
+    if cfg.pgn_path:
+        raise ConfigError("pgn_path: only task 'chess_fen' reads PGN files")
+    rows = load_jsonl(cfg.data_path)
+    train, held = split_held_out(rows, cfg.num_eval, cfg.seed, cfg.data_path)
+    alphabet = "".join(sorted({c for r in rows for c in r.prompt + r.target}))
+    return TaskData("jsonl", train, held, [dict(r) for r in DEFAULT_REWARDS], alphabet)

@@ -1,0 +1,324 @@
+"""The GRPO loop, readable top to bottom, and the `train` job around it (SFT -> GRPO -> eval).
+
+    python distributed_train.py --config default          # SFT warm start, GRPO, before/after
+    python distributed_train.py --config tiny --mode=grpo  # GRPO alone from random weights
+
+One GRPO step, per rank (DESIGN.md): take this rank's prompts -> sample G completions each
+with the KV cache -> score -> group advantages -> reference log-probs -> num_iterations passes
+in micro-batches with gradient accumulation -> clip, AdamW step -> metrics, eval, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import distributed as D
+from .checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from .config import ConfigError, GRPOConfig
+from .data import batch_indices, shard
+from .evaluate import evaluate, format_table
+from .grpo import group_advantages, grpo_loss, token_logprobs
+from .logger import RunLogger
+from .model import GPT, GPTConfig, attention_mask, positions
+from .optim import lr_at, make_optimizer, set_lr
+from .precision import autocast, resolve_device, setup_backends
+from .reference import Reference
+from .rollout import sample
+from .scoring import RewardScorer
+from .sft import train_sft
+from .tasks import build_task
+from .tokenizer import CharTokenizer
+
+
+def build_model(cfg: GRPOConfig, vocab_size: int) -> GPT:
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    return model
+
+
+def check_lengths(cfg: GRPOConfig, prompts: list[str]) -> None:
+    """Every prompt (with BOS) plus max_new_tokens must fit in block_size; fail before work."""
+    longest = max(len(p) for p in prompts) + 1
+    if longest + cfg.max_new_tokens > cfg.block_size:
+        raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
+                          f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
+
+
+def _trim(pids, pmask, cids, cmask):
+    """Drops columns that are padding in every row: left of the prompts, right of completions."""
+    first = int(pmask.any(0).int().argmax())
+    last = int(cmask.any(0).nonzero().max()) + 1 if cmask.any() else 1
+    return pids[:, first:], pmask[:, first:], cids[:, :last], cmask[:, :last]
+
+
+def _policy_logprobs(net, pids, pmask, cids, cmask, temperature):
+    """Forward over prompt + completion; (logp, entropy) of the completion tokens, (b, n)."""
+    seq = torch.cat([pids, cids], 1)[:, :-1]
+    valid = torch.cat([pmask, cmask], 1)[:, :-1]
+    logits = net(seq, positions(valid), attention_mask(valid, valid.size(1)),
+                 logits_from=pids.size(1) - 1)
+    return token_logprobs(logits, cids, temperature)
+
+
+def train_grpo(cfg, task, tok, model, reference, scorer, device, dist: D.DistInfo,
+               logger: RunLogger | None, resume_state=None):
+    """Runs GRPO steps until cfg.max_steps; the model is trained in place."""
+    net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if dist.enabled else model
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + dist.rank)  # differs by rank
+    G, W = cfg.group_size, dist.world_size
+    start = 0
+    if resume_state is not None:
+        opt.load_state_dict(resume_state["optimizer"])
+        set_rng_state(resume_state["rng"][min(dist.rank, len(resume_state["rng"]) - 1)], gen)
+        start = resume_state["step"]
+    ckpt_dir = Path(cfg.out_dir) / "checkpoints"
+    skipped = 0
+
+    for step in range(start + 1, cfg.max_steps + 1):
+        t_step = time.perf_counter()
+        times = {}
+        # ---- prompts: this rank's share of the global batch; a group never spans ranks
+        idx = batch_indices(len(task.train), cfg.prompts_per_step, step - 1, cfg.seed + 1)
+        exs = [task.train[i] for i in shard(idx, dist.rank, W)]
+        rows = [ex for ex in exs for _ in range(G)]  # group-major: (B * G,)
+
+        # ---- rollout with the unwrapped policy (no DDP hooks)
+        t0 = time.perf_counter()
+        with autocast(cfg, device):
+            r = sample(model, tok, [ex.prompt for ex in rows], cfg.max_new_tokens,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                       generator=gen)
+        times["generate"] = time.perf_counter() - t0
+
+        # ---- rewards and advantages
+        t0 = time.perf_counter()
+        res = scorer.score([ex.prompt for ex in rows], r.texts, [ex.target for ex in rows],
+                           [ex.meta for ex in rows])
+        rewards = torch.tensor(res.total, dtype=torch.float32, device=device)
+        times["reward"] = time.perf_counter() - t0
+        n_rows = torch.tensor(float(len(rows)), device=device)
+        sums = D.all_reduce_sum(torch.stack([n_rows, rewards.sum(), rewards.square().sum()]))
+        g_mean = sums[1] / sums[0]
+        g_std = (sums[2] / sums[0] - g_mean ** 2).clamp(min=0).sqrt()
+        adv, zero = group_advantages(rewards, G, cfg.scale_rewards, batch_std=g_std)
+        cmask = r.completion_mask
+        if cfg.dynamic_sampling:  # zero-spread groups carry no signal: leave them out
+            keep = (~zero).repeat_interleave(G)
+            cmask = cmask & keep[:, None]
+        n_seqs_local = cmask.any(1).sum() if cfg.dynamic_sampling else n_rows
+        counts = D.all_reduce_sum(torch.stack([n_seqs_local.float(), cmask.sum().float()]))
+        num_seqs, num_tokens = counts[0].clamp(min=1), counts[1].clamp(min=1)
+
+        # ---- reference log-probs (beta = 0 skips the reference entirely)
+        t0 = time.perf_counter()
+        mbs = [slice(i, i + cfg.micro_batch_size)
+               for i in range(0, len(rows), cfg.micro_batch_size)]
+        ref_lp = torch.zeros_like(r.logprobs)
+        if cfg.beta != 0:
+            for s in mbs:
+                pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s],
+                                           r.completion_ids[s], cmask[s])
+                with autocast(cfg, device):
+                    ref_lp[s, :cids.size(1)] = reference.logprobs(pids, pm, cids, cm,
+                                                                  cfg.temperature)
+        times["reference"] = time.perf_counter() - t0
+
+        # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
+        set_lr(opt, lr)
+        model.train()
+        acc = torch.zeros(6, device=device)  # loss, kl, clip_low, clip_high, ratio, entropy
+        for _ in range(cfg.num_iterations):
+            for j, s in enumerate(mbs):
+                pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s],
+                                           r.completion_ids[s], cmask[s])
+                n = cids.size(1)
+                sync = nullcontext() if (not dist.enabled or j == len(mbs) - 1) \
+                    else net.no_sync()
+                with sync:
+                    with autocast(cfg, device):
+                        logp, ent = _policy_logprobs(net, pids, pm, cids, cm, cfg.temperature)
+                    # one pass: old = current (ratio 1); more: old = the sampling log-probs
+                    old = logp.detach() if cfg.num_iterations == 1 else r.logprobs[s, :n]
+                    loss, st = grpo_loss(logp, old, adv[s], cm, ref_logp=ref_lp[s, :n],
+                                         beta=cfg.beta, eps_low=cfg.epsilon_low,
+                                         eps_high=cfg.epsilon_high, agg=cfg.loss_agg,
+                                         num_seqs=num_seqs, num_tokens=num_tokens,
+                                         max_new_tokens=cfg.max_new_tokens, entropy=ent)
+                    # DDP averages gradients over ranks; our normalisers are already global
+                    (loss * W).backward()
+                k = cm.sum()
+                acc += torch.stack([loss.detach(), st["kl"] * k, st["clip_low"] * k,
+                                    st["clip_high"] * k, st["ratio"] * k, st["entropy"] * k])
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                   cfg.grad_clip or float("inf"))
+            bad = D.all_reduce_max(torch.tensor(
+                float(not (torch.isfinite(gnorm) and torch.isfinite(acc[0]))), device=device))
+            if bad.item() > 0:  # non-finite loss or gradient: skip, on every rank alike
+                opt.zero_grad(set_to_none=True)
+                skipped += 1
+                if logger:
+                    logger.event(step, f"non-finite loss or gradient, step skipped "
+                                       f"({skipped} so far)")
+                continue
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times["policy"] = time.perf_counter() - t0
+        dt = time.perf_counter() - t_step
+
+        # ---- metrics, reduced over ranks
+        lengths = r.completion_mask.sum(1).float()
+        red = D.all_reduce_sum(torch.cat([acc, torch.stack([
+            lengths.sum(), zero.float().sum(), torch.tensor(float(len(exs)), device=device)])]))
+        max_len = D.all_reduce_max(lengths.max().clone())
+        iters = cfg.num_iterations
+        tok_total = counts[1] * iters
+        m = {"reward/mean": g_mean.item(), "reward/std": g_std.item(),
+             "loss": red[0].item() / iters, "kl": (red[1] / tok_total).item(),
+             "clip_low": (red[2] / tok_total).item(), "clip_high": (red[3] / tok_total).item(),
+             "ratio": (red[4] / tok_total).item(), "entropy": (red[5] / tok_total).item(),
+             "completion_len/mean": (red[6] / sums[0]).item(), "completion_len/max": max_len.item(),
+             "zero_spread_frac": (red[7] / red[8]).item(), "grad_norm": gnorm.item(), "lr": lr,
+             "tokens_per_s": (red[6] / dt).item(), "skipped_steps": skipped}
+        m.update({f"time/{k}": v for k, v in times.items()})
+        cols = {k: torch.tensor([float(v.sum())], device=device) for k, v in res.columns.items()}
+        for k, v in cols.items():
+            m[f"reward/{k}"] = (D.all_reduce_sum(v) / sums[0]).item()
+        if logger and step % cfg.log_every == 0:
+            logger.scalars(step, m)
+            logger.progress(step, {"reward": m["reward/mean"], "kl": m["kl"],
+                                   "len": m["completion_len/mean"], "tok/s": m["tokens_per_s"]})
+
+        # ---- periodic evaluation and checkpoint
+        if step % cfg.eval_every == 0 and step < cfg.max_steps and dist.is_main:
+            ev = evaluate(model, tok, task.eval, scorer, cfg, device, greedy=True)
+            logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"}, "eval/")
+            logger.text(step, "samples", "\n\n".join(
+                f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
+                for s in ev["samples"]))
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            states = [None] * W
+            states[dist.rank] = rng_state(gen)
+            if dist.enabled:
+                torch.distributed.all_gather_object(states, states[dist.rank])
+            if dist.is_main:
+                save_grpo_checkpoint(cfg, tok, model, opt, step, states, ckpt_dir)
+            D.barrier()
+
+
+def save_grpo_checkpoint(cfg, tok, model, opt, step, rng_states, ckpt_dir):
+    """Writes a checkpoint only from finite parameters (a NaN must never reach the disk)."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        print(f"[mini-grpo] step {step}: parameters are not finite, checkpoint NOT written")
+        return None
+    state = {"kind": "grpo", "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "step": step, "rng": rng_states, "config": cfg.to_dict(), "tokenizer": tok.chars}
+    return save_checkpoint(state, ckpt_dir, step, keep=cfg.keep_checkpoints)
+
+
+def load_policy(path: str, device) -> tuple[GPT, CharTokenizer, dict]:
+    """A model and tokenizer from any mini-grpo checkpoint (SFT or GRPO)."""
+    state = load_checkpoint(path)
+    tok = CharTokenizer(state["tokenizer"])
+    cfg = GRPOConfig(**state["config"])
+    model = build_model(cfg, tok.vocab_size)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), tok, state
+
+
+def train(cfg: GRPOConfig) -> dict:
+    """The whole job: SFT warm start, GRPO, before/after evaluation (rank 0 writes eval.json)."""
+    dist = D.init()
+    device = resolve_device(cfg, dist.local_rank)
+    threads = setup_backends(cfg, dist.local_world_size)
+    task = build_task(cfg)
+    tok = CharTokenizer(task.alphabet)
+    check_lengths(cfg, [ex.prompt for ex in task.train + task.eval])
+    scorer = RewardScorer.from_config(cfg, task)  # resolves plugins: bad names fail here
+    out = Path(cfg.out_dir)
+    resume_state = None
+    if cfg.resume not in ("auto", "never"):
+        resume_state = load_checkpoint(cfg.resume)
+    elif cfg.resume == "auto":
+        _, resume_state = latest_checkpoint(out / "checkpoints")
+    if resume_state is not None and resume_state["tokenizer"] != tok.chars:
+        raise CheckpointError("checkpoint tokenizer differs from this task's alphabet")
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = build_model(cfg, tok.vocab_size).to(device)
+    logger = None
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+        tok.save(out / "tokenizer.json")
+        logger = RunLogger(out, cfg.max_steps)
+        print(f"[mini-grpo] task {task.name}: {len(task.train)} train / {len(task.eval)} "
+              f"held-out prompts; model {model.num_params() / 1e6:.2f}M params; {_procs(dist)} "
+              f"on {device}, {threads} threads; run directory {out}", flush=True)
+
+    with scorer:
+        if cfg.init_from:
+            model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
+        if "sft" in cfg.mode.split("_"):
+            train_sft(cfg, task, tok, model, device, dist, logger)
+        result = {}
+        if "grpo" in cfg.mode.split("_"):
+            reference = Reference(model, device, cfg.offload_reference) if cfg.beta else None
+            if dist.is_main and resume_state is None:
+                result["before"] = _eval_both(model, tok, task, scorer, cfg, device, logger, 0)
+            if resume_state is not None:
+                model.load_state_dict(resume_state["model"])
+                if dist.is_main:
+                    print(f"[mini-grpo] resuming GRPO from step {resume_state['step']}")
+            train_grpo(cfg, task, tok, model, reference, scorer, device, dist, logger,
+                       resume_state)
+        if dist.is_main:
+            result["after"] = _eval_both(model, tok, task, scorer, cfg, device, logger,
+                                         cfg.max_steps)
+            (out / "eval.json").write_text(json.dumps(result, indent=2))
+            table = {f"{k} {mode}": v[mode] for k, v in result.items()
+                     for mode in ("greedy", "sampled")}
+            print("\n" + format_table(table), flush=True)
+    if logger:
+        logger.close()
+    D.barrier()
+    D.cleanup()
+    return result
+
+
+def _procs(dist: D.DistInfo) -> str:
+    return f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}"
+
+
+def _eval_both(model, tok, task, scorer, cfg, device, logger, step) -> dict:
+    out = {}
+    for greedy in (True, False):
+        name = "greedy" if greedy else "sampled"
+        t0 = time.perf_counter()
+        ev = evaluate(model, tok, task.eval, scorer, cfg, device, greedy=greedy, seed=cfg.seed)
+        out[name] = ev
+        if logger:
+            logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"},
+                           f"eval_{name}/")
+        print(f"[eval] step {step} {name}: reward {ev['reward']:.4f} ± {ev['reward_se']:.4f} "
+              f"exact {ev['exact']:.3f} valid {ev.get('valid_fen', math.nan):.3f} "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    return out

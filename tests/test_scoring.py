@@ -1,0 +1,223 @@
+"""RewardScorer: weighted sums, serial/thread/process parity, failure isolation, the example.
+
+Plugins used with the process executor live at module level here: spawned workers import this
+file by name to find them.
+"""
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mini_grpo.config import ConfigError, load_config
+from mini_grpo.rewards.bench import random_edits, realistic_batch
+from mini_grpo.scoring import RewardError, RewardScorer
+from mini_grpo.tasks import build_task
+from mini_grpo.tasks.chess_fen import ALPHABET, DEFAULT_REWARDS
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL = [{"name": n, "weight": w} for n, w in [("fen_valid", 0.1), ("levenshtein", 0.2),
+       ("exact_match", 0.3), ("board_accuracy", 0.15), ("board_delta", 0.25)]]
+
+
+def length(prompts, completions, targets, metas):
+    return [float(len(c)) for c in completions]
+
+
+def one(prompts, completions, targets, metas):
+    return [1.0] * len(completions)
+
+
+def from_meta(prompts, completions, targets, metas):
+    return [m["bonus"] for m in metas]
+
+
+def boom(prompts, completions, targets, metas):
+    if "bad" in completions:
+        raise ZeroDivisionError("plugin exploded")
+    return [1.0] * len(completions)
+
+
+def short(prompts, completions, targets, metas):
+    return [1.0] * (len(completions) - 1)
+
+
+def nan_on_bad(prompts, completions, targets, metas):
+    return [math.nan if c == "bad" else 1.0 for c in completions]
+
+
+def none_on_bad(prompts, completions, targets, metas):
+    return [None if c == "bad" else 1.0 for c in completions]
+
+
+def inf_on_bad(prompts, completions, targets, metas):
+    return np.array([math.inf if c == "bad" else 1.0 for c in completions])
+
+
+def sleepy(prompts, completions, targets, metas):
+    time.sleep(1.2 if "bad" in completions else 0.0)
+    return [1.0] * len(completions)
+
+
+def spec(fn, weight=1.0):
+    return {"name": f"{__name__}:{fn.__name__}", "weight": weight}
+
+
+def rows(completions):
+    n = len(completions)
+    return [""] * n, completions, [""] * n, [{}] * n
+
+
+def test_weighted_sum_by_hand():
+    with RewardScorer([spec(length, 0.5), spec(one, 2.0)], workers=2) as scorer:
+        res = scorer.score(*rows(["", "ab", "abcd"]))
+    np.testing.assert_array_equal(res.columns["length"], [0, 2, 4])
+    np.testing.assert_array_equal(res.total, [2.0, 3.0, 4.0])  # 0.5 * len + 2 * 1
+    assert res.metrics["reward/length/mean"] == 2.0
+    assert res.metrics["reward/length/std"] == pytest.approx(math.sqrt(8 / 3))
+    assert res.metrics["reward/length/failures"] == 0
+    assert res.metrics["reward/length/seconds"] >= 0
+    assert res.metrics["reward/total/mean"] == 3.0
+
+
+def test_plugins_see_the_rows_metadata():
+    res = RewardScorer([spec(from_meta)]).score(["p", "q"], ["a", "b"], ["t", "u"],
+                                                [{"bonus": 0.25}, {"bonus": 0.5}])
+    np.testing.assert_array_equal(res.total, [0.25, 0.5])
+
+
+def test_empty_batch():
+    res = RewardScorer([spec(one)]).score([], [], [], [])
+    assert res.total.shape == (0,) and res.metrics["reward/one/mean"] == 0.0
+
+
+def test_bad_names_fail_at_construction():
+    with pytest.raises(ConfigError, match="unknown reward 'nope'"):
+        RewardScorer([{"name": "board_delta"}, {"name": "nope"}], executor="thread")
+    with pytest.raises(ConfigError, match="reward_executor"):
+        RewardScorer([{"name": "board_delta"}], executor="gpu")
+    with pytest.raises(ConfigError, match="logged as 'exact_match'"):
+        RewardScorer([{"name": "exact_match"}, {"name": "mini_grpo.rewards.text:exact_match"}])
+
+
+def test_process_executor_needs_picklable_plugins(monkeypatch):
+    from mini_grpo.rewards import registry
+    monkeypatch.setitem(registry.REWARDS, "a_lambda", lambda p, c, t, m: [0.0] * len(c))
+    with pytest.raises(ConfigError, match="module-level function"):
+        RewardScorer([{"name": "a_lambda"}], executor="process")
+
+
+def test_from_config_uses_task_defaults_or_config(tmp_path):
+    cfg = load_config(overrides={"num_train": 20, "num_eval": 5, "parallel_rewards": False},
+                      env={})
+    task = build_task(cfg)
+    scorer = RewardScorer.from_config(cfg, task)
+    assert scorer.executor == "serial" and scorer.keys == [r["name"] for r in DEFAULT_REWARDS]
+    cfg.rewards, cfg.reward_executor, cfg.parallel_rewards = [{"name": "exact_match"}], \
+        "thread", True
+    with RewardScorer.from_config(cfg, task) as scorer:
+        assert scorer.executor == "thread" and scorer.keys == ["exact_match"]
+
+
+def test_serial_thread_process_identical_on_ten_thousand_completions():
+    prompts, completions, targets, metas = realistic_batch(10_000, seed=3)
+    rng = random.Random(1)  # and pure noise made of FEN characters
+    for i in range(0, 10_000, 7):
+        completions[i] = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(80)))
+    completions[1] = random_edits(rng, targets[1], 1)
+    results = {}
+    for executor in ["serial", "thread", "process"]:
+        with RewardScorer(ALL, executor=executor, workers=3) as scorer:
+            results[executor] = scorer.score(prompts, completions, targets, metas)
+    ref = results["serial"]
+    assert ref.total.std() > 0.1  # the batch is varied enough to make the comparison mean much
+    for executor in ["thread", "process"]:
+        np.testing.assert_array_equal(results[executor].total, ref.total)
+        for key in ref.columns:
+            np.testing.assert_array_equal(results[executor].columns[key], ref.columns[key])
+
+
+# ---- failure isolation: 4 rows in 2 chunks of 2; "bad" sits in the second chunk ----
+
+BATCH = ["a", "b", "c", "bad"]
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread"])
+def test_raising_plugin_fails_its_chunk_and_logs_once(executor, caplog):
+    with RewardScorer([spec(boom), spec(one)], executor=executor, workers=2, on_error=-1.0,
+                      max_fail_frac=0.5) as scorer:
+        with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
+            res = scorer.score(*rows(BATCH))
+            scorer.score(*rows(BATCH))
+    np.testing.assert_array_equal(res.columns["boom"], [1, 1, -1, -1])
+    np.testing.assert_array_equal(res.columns["one"], [1, 1, 1, 1])
+    assert res.metrics["reward/boom/failures"] == 2
+    assert scorer.failure_counts == {"boom": 4, "one": 0}
+    warnings = [r for r in caplog.records if r.name == "mini_grpo.scoring"]
+    assert len(warnings) == 1
+    assert "ZeroDivisionError: plugin exploded" in warnings[0].getMessage()
+    assert "Traceback" in warnings[0].getMessage()
+
+
+def test_wrong_number_of_values_fails_the_chunk():
+    res = RewardScorer([spec(short)], workers=2, max_fail_frac=1.0).score(*rows(BATCH))
+    np.testing.assert_array_equal(res.columns["short"], [0, 0, 0, 0])
+    assert res.metrics["reward/short/failures"] == 4
+
+
+@pytest.mark.parametrize("fn", [nan_on_bad, none_on_bad, inf_on_bad])
+def test_nan_none_inf_fail_only_their_rows(fn, caplog):
+    with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
+        res = RewardScorer([spec(fn)], workers=2, on_error=0.25).score(*rows(BATCH))
+    np.testing.assert_array_equal(res.columns[fn.__name__], [1, 1, 1, 0.25])
+    assert res.metrics[f"reward/{fn.__name__}/failures"] == 1
+    assert "for row 3" in caplog.text
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_hung_plugin_times_out_and_the_rest_still_scores(executor):
+    with RewardScorer([spec(sleepy), spec(length)], executor=executor, workers=2, timeout=0.3,
+                      max_fail_frac=0.5) as scorer:
+        t0 = time.perf_counter()
+        res = scorer.score(*rows(BATCH))
+        assert time.perf_counter() - t0 < 1.0  # did not wait for the 1.2 s sleep
+        np.testing.assert_array_equal(res.columns["sleepy"], [1, 1, 0, 0])
+        np.testing.assert_array_equal(res.columns["length"], [1, 1, 1, 3])
+        assert scorer.failure_counts["sleepy"] == 2
+        res = scorer.score(*rows(["a", "b"]))  # the pool was restarted
+        np.testing.assert_array_equal(res.total, [2, 2])
+
+
+def test_serial_call_over_the_timeout_fails_after_the_fact():
+    scorer = RewardScorer([spec(sleepy)], workers=2, timeout=0.3, max_fail_frac=0.5)
+    np.testing.assert_array_equal(scorer.score(*rows(BATCH)).columns["sleepy"], [1, 1, 0, 0])
+
+
+@pytest.mark.parametrize("executor", ["serial", "process"])
+def test_failure_fraction_over_the_limit_stops_with_the_traceback(executor):
+    # 2 of 4 rows fail: allowed at max_fail_frac=0.5, not at 0.4
+    with RewardScorer([spec(boom)], executor=executor, workers=2, max_fail_frac=0.4) as scorer:
+        with pytest.raises(RewardError, match="'boom' failed on 2 of 4 rows") as info:
+            scorer.score(*rows(BATCH))
+    assert isinstance(info.value, RuntimeError)
+    assert "Traceback" in str(info.value) and "plugin exploded" in str(info.value)
+
+
+def test_example_plugin_through_the_config(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # `examples.my_reward` is importable from the root
+    cfg = load_config(str(ROOT / "examples" / "my_reward.yaml"),
+                      overrides={"num_train": 20, "num_eval": 8}, env={})
+    task = build_task(cfg)
+    assert cfg.parallel_rewards and cfg.reward_executor == "process"
+    with RewardScorer.from_config(cfg, task) as scorer:
+        targets = [ex.target for ex in task.eval]
+        res = scorer.score([ex.prompt for ex in task.eval], targets, targets,
+                           [ex.meta for ex in task.eval])
+        assert res.metrics["reward/piece_count/mean"] == 1.0
+        res = scorer.score(["e2e4:"], ["8/8/8/8/8/8/8/8 w - - 0 1"],
+                           ["rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1"], [{}])
+        assert res.columns["piece_count"][0] == 0.0  # 0 pieces against 32
