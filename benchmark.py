@@ -1,13 +1,25 @@
-"""Measures a config: generation throughput (KV cache vs full recompute) and reward scoring.
+"""Measures a config: generation throughput, reward scoring, GRPO steps, 1 vs 2 processes.
 
-    python benchmark.py --config default                  # all sections
+    python benchmark.py --config default                  # generation, rewards, step
     python benchmark.py --config default --only generation --repeats 5 --json bench/gen.json
+    python benchmark.py --config default --only step --warmup 2 --steps 5
+    torchrun --standalone --nproc_per_node=2 benchmark.py --config default --only step
+    python benchmark.py --config default --only scaling   # runs the step section with 1
+                                                          # process, then 2 under torchrun
+    python benchmark.py --compare A.json B.json           # ratios of B over A
 
 Generation: `--batch` prompts (held-out prompts of the config's task) and exactly
 `--new-tokens` new tokens each (EOS is ignored so both paths do the same work), with a randomly
 initialised model of the config's size; tokens/s is the median over `--repeats` runs after one
 warm-up, with the two paths interleaved so machine noise hits both alike.
 Rewards: see mini_grpo/rewards/bench.py.
+Step: real GRPO steps (generate, score, reference, policy update) of the config with a
+randomly initialised policy (or `--init_from=CKPT`); medians over the timed steps of seconds per
+step and per phase, generated and training tokens/s, and the seconds in DDP's gradient
+all-reduce (`comm`, measured by a communication hook).
+Scaling: the same global batch with 1 and 2 processes; scaling efficiency = T1 / (2 x T2).
+On a 2-core CPU both runs share the cores, so the communication share per step is the figure
+that carries over to GPUs.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ def bench_generation(cfg, batch: int, new_tokens: int, repeats: int) -> dict:
     prompts = [tok.encode(ex.prompt, bos=True) for ex in (task.eval * batch)[:batch]]
     cfg.block_size = max(cfg.block_size, max(map(len, prompts)) + new_tokens)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, tok.vocab_size).to(device).eval()
+    model = build_model(cfg, tok.vocab_size, device).eval()
 
     def run(use_cache: bool) -> float:
         g = torch.Generator(device=device).manual_seed(0)
@@ -76,16 +88,133 @@ def format_generation(r: dict) -> str:
         f"  speed-up     {r['speedup_kv_vs_recompute']:>10.2f}x"])
 
 
+def bench_step(cfg, warmup: int, steps: int) -> dict:
+    """Real GRPO steps through the trainer; works alone or as one rank under torchrun."""
+    import tempfile
+
+    from mini_grpo import distributed as D
+    from mini_grpo.reference import Reference
+    from mini_grpo.scoring import RewardScorer
+    from mini_grpo.trainer import train_grpo
+
+    dist = D.init(cfg.dist_timeout)
+    device = resolve_device(cfg, dist.local_rank)
+    setup_backends(cfg, dist.local_world_size)
+    task = build_task(cfg)
+    tok = CharTokenizer(task.alphabet)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, tok.vocab_size, device)
+    if cfg.init_from:
+        from mini_grpo.checkpoint import load_checkpoint
+        model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
+    net, comm = D.wrap_ddp(model, device)
+    reference = Reference(model, device, cfg.offload_reference) if cfg.beta else None
+    cfg.max_steps, cfg.eval_every, cfg.save_every = warmup + steps, 10**9, 10**9
+    with tempfile.TemporaryDirectory() as tmp, RewardScorer.from_config(cfg, task) as scorer:
+        cfg.out_dir = tmp
+        history = train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist,
+                             None, comm=comm)
+    D.cleanup()
+    timed = history[warmup:]
+    med = lambda key: statistics.median(h[key] for h in timed)
+    step_s = [h["time/step"] for h in timed]
+    phases = ("generate", "reward", "reference", "policy", "comm")
+    out = {"world_size": dist.world_size, "warmup": warmup, "steps": steps,
+           "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
+           "params_M": round(model.num_params() / 1e6, 3), "amp": cfg.use_amp,
+           "step_s": {"median": statistics.median(step_s), "min": min(step_s),
+                      "max": max(step_s)},
+           "phase_s": {p: med(f"time/{p}") for p in phases},
+           "generated_tokens_per_s": med("tokens_per_s"),
+           "train_tokens_per_s": statistics.median(h["tokens/train"] / h["time/step"]
+                                                   for h in timed),
+           "is_main": dist.is_main}
+    out["phase_share"] = {p: v / out["step_s"]["median"] for p, v in out["phase_s"].items()}
+    return out
+
+
+def format_step(r: dict) -> str:
+    s = r["step_s"]
+    lines = [f"GRPO step: {r['world_size']} process(es), {r['prompts_per_step']} prompts x "
+             f"{r['group_size']}, {r['params_M']}M params, amp={r['amp']}, median of "
+             f"{r['steps']} after {r['warmup']} warm-up",
+             f"  seconds/step   {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f})",
+             f"  generated      {r['generated_tokens_per_s']:.0f} tok/s",
+             f"  trained        {r['train_tokens_per_s']:.0f} tok/s (prompt + completion)"]
+    for p, v in r["phase_s"].items():
+        lines.append(f"  {p:<14} {v:.3f}s  {100 * r['phase_share'][p]:5.1f}%")
+    return "\n".join(lines)
+
+
+def bench_scaling(args, rest) -> dict:
+    """The step section with 1 process here, then 2 under torchrun, same global batch."""
+    import os
+    import subprocess
+    import tempfile
+
+    cmd = ["--config", args.config, "--only", "step", "--warmup", str(args.warmup),
+           "--steps", str(args.steps), *rest]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (1, 2):
+            out = f"{tmp}/step{n}.json"
+            launcher = [sys.executable] if n == 1 else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={n}"]
+            print(f"[bench] scaling: {n} process(es)", file=sys.stderr, flush=True)
+            subprocess.run([*launcher, __file__, *cmd, "--json", out], check=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            with open(out) as f:
+                runs[n] = json.load(f)["step"]
+    t1, t2 = runs[1]["step_s"]["median"], runs[2]["step_s"]["median"]
+    return {"runs": runs, "speedup": t1 / t2, "efficiency": t1 / (2 * t2),
+            "comm_share_2proc": runs[2]["phase_share"]["comm"]}
+
+
+def format_scaling(r: dict) -> str:
+    a, b = r["runs"][1], r["runs"][2]
+    return "\n".join([
+        "scaling, same global batch:   1 process  2 processes",
+        f"  seconds/step              {a['step_s']['median']:>9.3f}"
+        f"  {b['step_s']['median']:>11.3f}",
+        f"  comm seconds/step         {a['phase_s']['comm']:>9.3f}  {b['phase_s']['comm']:>11.3f}",
+        f"  comm share of step        {100 * a['phase_share']['comm']:>8.1f}%  "
+        f"{100 * b['phase_share']['comm']:>10.1f}%",
+        f"  speed-up {r['speedup']:.2f}x, scaling efficiency {100 * r['efficiency']:.0f}%"])
+
+
+def compare(path_a: str, path_b: str) -> str:
+    """Ratios B / A of every number the two result files share."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield f"{prefix}{k}", v
+    a, b = (dict(flat(json.load(open(p)))) for p in (path_a, path_b))
+    lines = [f"{'metric':<48} {'A':>12} {'B':>12} {'B/A':>8}"]
+    for k in a:
+        if k in b and a[k]:
+            lines.append(f"{k:<48} {a[k]:>12.4g} {b[k]:>12.4g} {b[k] / a[k]:>8.3f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
-    ap.add_argument("--only", choices=["generation", "rewards"], default=None)
+    ap.add_argument("--only", choices=["generation", "rewards", "step", "scaling"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=72)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--reward-rows", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed GRPO steps")
+    ap.add_argument("--steps", type=int, default=5, help="timed GRPO steps")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     args, rest = ap.parse_known_args(argv)
+    if args.compare:
+        print(compare(*args.compare))
+        return 0
     try:
         cfg = load_config(args.config, parse_cli(rest)[1])
     except ConfigError as e:
@@ -98,11 +227,19 @@ def main(argv=None) -> int:
     if args.only in (None, "generation"):
         result["generation"] = bench_generation(cfg, args.batch, args.new_tokens, args.repeats)
         print(format_generation(result["generation"]))
+    if args.only == "scaling":
+        result["scaling"] = bench_scaling(args, rest)
+        print(format_scaling(result["scaling"]))
     if args.only in (None, "rewards"):
         from mini_grpo.rewards.bench import format_reward_table, run_reward_benchmark
         result["rewards"] = run_reward_benchmark(n=args.reward_rows, seed=cfg.seed,
                                                  workers=cfg.num_reward_workers)
         print(format_reward_table(result["rewards"]))
+    if args.only in (None, "step"):
+        result["step"] = bench_step(cfg, args.warmup, args.steps)
+        if not result["step"]["is_main"]:
+            return 0
+        print(format_step(result["step"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

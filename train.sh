@@ -1,14 +1,60 @@
 #!/usr/bin/env bash
-# Environment-driven launcher: CONFIG=tiny USE_AMP=true ./train.sh [--key=value ...]
-# Feature switches (USE_AMP, AMP_DTYPE, USE_TF32, ...) are read by the config loader itself;
-# see README's environment table. Multi-process torchrun launching arrives with the DDP trainer.
+# Environment-driven launcher around `torchrun ... distributed_train.py`.
+#
+#   ./train.sh                                  # CONFIG=default, one process per GPU (else 1)
+#   USE_AMP=true NPROC=2 CONFIG=tiny ./train.sh # two processes, bf16 autocast
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./train.sh   # on each node, NODE_RANK 0 and 1
+#   ./train.sh --lr=3e-5 --max_steps=500        # extra arguments go to distributed_train.py
+#
+# Feature switches (USE_AMP, AMP_DTYPE, USE_TF32, COMPILE_MODEL, GRADIENT_CHECKPOINTING,
+# OFFLOAD_REFERENCE, PARALLEL_REWARDS, REWARD_EXECUTOR, NUM_WORKERS, NUM_THREADS, OUT_DIR,
+# SEED, MAX_STEPS) are read by the config loader itself, in every rank; see README's table.
 set -euo pipefail
 cd "$(dirname "$0")"
-if [ "${1:-}" = "--help" ]; then
-    sed -n '2,4p' "$0" | sed 's/^# //'
-    echo "CONFIG=${CONFIG:-default}"
+
+default_nproc() {
+    local n=0
+    command -v nvidia-smi >/dev/null 2>&1 && n=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
+    [ "${n:-0}" -gt 0 ] && echo "$n" || echo 1
+}
+
+CONFIG=${CONFIG:-default}
+NPROC=${NPROC:-$(default_nproc)}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+PYTHON=${PYTHON:-.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python3
+
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+    echo "usage: [VAR=value ...] ./train.sh [--key=value ...]"
+    echo
+    echo "launcher variables (value now; unset ones show their default):"
+    row() { printf '  %-24s %s\n' "$1=$2" "$3"; }
+    row CONFIG "$CONFIG" "config name in configs/, or a path"
+    row NPROC "$NPROC" "processes per node (default: visible GPUs, else 1)"
+    row NNODES "$NNODES" "nodes; more than 1 uses c10d rendezvous at MASTER_ADDR:MASTER_PORT"
+    row NODE_RANK "$NODE_RANK" "this node's rank (multi-node)"
+    row MASTER_ADDR "$MASTER_ADDR" "rendezvous host (multi-node)"
+    row MASTER_PORT "$MASTER_PORT" "rendezvous port (multi-node; one node picks a free port)"
+    row MAX_RESTARTS "$MAX_RESTARTS" "restarts after a failure, each resuming from the last checkpoint"
+    row PYTHON "$PYTHON" "interpreter"
+    echo
+    echo "feature switches, read by the config in every rank (unset: the config's value):"
+    for v in USE_AMP AMP_DTYPE USE_TF32 COMPILE_MODEL GRADIENT_CHECKPOINTING OFFLOAD_REFERENCE \
+             PARALLEL_REWARDS REWARD_EXECUTOR NUM_WORKERS NUM_THREADS OUT_DIR SEED MAX_STEPS; do
+        row "$v" "${!v:-}" ""
+    done
     exit 0
 fi
-PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
-exec "$PY" distributed_train.py --config "${CONFIG:-default}" "$@"
+
+if [ "$NNODES" -gt 1 ]; then
+    rdzv=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d
+          --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${RDZV_ID:-mini-grpo}")
+else
+    rdzv=(--standalone)  # picks a free port: never collides with another job on 29500
+fi
+exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NPROC" \
+    --max_restarts="$MAX_RESTARTS" distributed_train.py --config "$CONFIG" "$@"

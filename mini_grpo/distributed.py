@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,21 @@ def init(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistInfo:
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     if use_cuda:
         torch.cuda.set_device(info.local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun the agent's store outlives a restart, and gloo would read the dead
+        # attempt's addresses from it (seen: "connectFullMesh failed ... Connection refused"),
+        # so each attempt gets keys of its own.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              info.world_size, is_master=not agent and info.rank == 0,
+                              timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"mini_grpo/{attempt}", store),
+                                rank=info.rank, world_size=info.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return info
 
 
@@ -59,6 +73,51 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+class CommTimer:
+    """A DDP communication hook that all-reduces gradient buckets as DDP does by default and
+    sums the seconds from each bucket's launch to its completion (overlapping buckets overlap
+    in the sum too): the time spent in gradient communication."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def hook(self, _state, bucket):
+        t0 = time.perf_counter()
+        buf = bucket.buffer().div_(dist.get_world_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f):
+            self.seconds += time.perf_counter() - t0
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def pop(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device):
+    """(DDP-wrapped model, CommTimer) under torchrun; (model, None) in a single process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return model, None
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    comm = CommTimer()
+    net.register_comm_hook(None, comm.hook)
+    return net, comm
+
+
+def all_gather_object(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...]; [obj] when alone."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -69,6 +69,22 @@ def evaluate(model, tok, examples, scorer, cfg, device, greedy: bool, batch_size
     return out
 
 
+START_FEN = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"
+
+
+def trivial_baselines(examples, scorer, task_name: str) -> dict[str, float]:
+    """Mean reward of answers that ignore the moves, under the run's own reward: a policy
+    must beat these, or its gain may be a collapse onto a template."""
+    prompts = [ex.prompt for ex in examples]
+    targets = [ex.target for ex in examples]
+    metas = [ex.meta for ex in examples]
+    answers = {"empty": [""] * len(examples), "prompt_copy": prompts}
+    if task_name == "chess_fen":
+        answers["start_fen"] = [START_FEN] * len(examples)
+    return {name: float(scorer.score(prompts, texts, targets, metas).total.mean())
+            for name, texts in answers.items()}
+
+
 def format_table(rows: dict[str, dict]) -> str:
     """Side-by-side table of evaluations, e.g. {"SFT greedy": ev0, "GRPO greedy": ev1}."""
     names = list(rows)

@@ -23,8 +23,11 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.out_dir / "tb"))
-        self.t0 = time.perf_counter()
-        self.first_step: int | None = None
+        self.start_clock(0)
+
+    def start_clock(self, step: int) -> None:
+        """ETAs count from here: call when the timed loop starts at `step` (0 = fresh)."""
+        self.t0, self.first_step = time.perf_counter(), step
 
     def scalars(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         row = {"step": step}
@@ -49,8 +52,6 @@ class RunLogger:
 
     def progress(self, step: int, metrics: dict[str, float]) -> None:
         """One console line: step, the given metrics, and an ETA from the mean step time."""
-        if self.first_step is None:
-            self.first_step, self.t0 = step - 1, time.perf_counter()
         done = step - self.first_step
         per_step = (time.perf_counter() - self.t0) / max(done, 1)
         eta = per_step * (self.total_steps - step)

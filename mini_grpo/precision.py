@@ -58,3 +58,9 @@ def setup_backends(cfg: GRPOConfig, local_world_size: int = 1) -> int:
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
+
+
+def grad_scaler(cfg: GRPOConfig, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling for float16 autocast only (bf16 and fp32 have fp32's range); disabled
+    otherwise, in which case its calls pass straight through."""
+    return torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg, device) == torch.float16)

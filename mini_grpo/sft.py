@@ -17,7 +17,7 @@ from .checkpoint import latest_checkpoint, save_checkpoint
 from .config import GRPOConfig
 from .data import batch_indices, sft_batch, shard
 from .optim import lr_at, make_optimizer, set_lr
-from .precision import autocast
+from .precision import autocast, grad_scaler
 
 
 def sft_dir(cfg: GRPOConfig) -> Path:
@@ -34,6 +34,7 @@ def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_
         return path
     net = ddp_model or model
     opt = make_optimizer(model, cfg.sft_lr, cfg.weight_decay)
+    scaler = grad_scaler(cfg, device)
     warmup = min(cfg.warmup_steps * 5, cfg.sft_steps // 10)
     model.train()
     t0, tokens = time.perf_counter(), 0
@@ -48,9 +49,11 @@ def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_
             logits = net(x)
         # mean over this rank's target tokens; ranks hold equal shares up to one row
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        opt.step()
+        scaler.step(opt)  # skips the step when fp16 gradients overflowed
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         tokens += x.numel()
         if dist.is_main and (step % cfg.log_every == 0 or step == cfg.sft_steps):

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distributed as D
 from .checkpoint import (
@@ -30,12 +30,12 @@ from .checkpoint import (
 )
 from .config import ConfigError, GRPOConfig
 from .data import batch_indices, shard
-from .evaluate import evaluate, format_table
+from .evaluate import evaluate, format_table, trivial_baselines
 from .grpo import group_advantages, grpo_loss, token_logprobs
 from .logger import RunLogger
 from .model import GPT, GPTConfig, attention_mask, positions
 from .optim import lr_at, make_optimizer, set_lr
-from .precision import autocast, resolve_device, setup_backends
+from .precision import amp_dtype, autocast, grad_scaler, resolve_device, setup_backends
 from .reference import Reference
 from .rollout import sample
 from .scoring import RewardScorer
@@ -44,11 +44,18 @@ from .tasks import build_task
 from .tokenizer import CharTokenizer
 
 
-def build_model(cfg: GRPOConfig, vocab_size: int) -> GPT:
+def build_model(cfg: GRPOConfig, vocab_size: int, device=None) -> GPT:
+    """The policy from the config's model fields, on `device` (default: CPU)."""
+    device = torch.device(device or "cpu")
     model = GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
                           n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    return model
+    impl = cfg.attn_impl
+    if impl == "auto":
+        cpu_bf16 = device.type == "cpu" and amp_dtype(cfg, device) == torch.bfloat16
+        impl = "manual" if cpu_bf16 else "sdpa"
+    model.attn_impl = impl
+    return model.to(device)
 
 
 def check_lengths(cfg: GRPOConfig, prompts: list[str]) -> None:
@@ -75,23 +82,82 @@ def _policy_logprobs(net, pids, pmask, cids, cmask, temperature):
     return token_logprobs(logits, cids, temperature)
 
 
-def train_grpo(cfg, task, tok, model, reference, scorer, device, dist: D.DistInfo,
-               logger: RunLogger | None, resume_state=None):
-    """Runs GRPO steps until cfg.max_steps; the model is trained in place."""
-    net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if dist.enabled else model
+def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
+                         world_size: int = 1, scaler=None) -> torch.Tensor:
+    """One pass over a rollout in micro-batches, accumulating the gradient of its GRPO loss.
+
+    num_seqs / num_tokens are the global batch's (all-reduced under DDP), so the gradients
+    summed over micro-batches and ranks are those of one process holding the whole batch; DDP
+    averages over ranks, hence the factor world_size. All micro-batches but the last skip
+    DDP's gradient all-reduce (no_sync). Returns the summed loss and token-weighted stats:
+    (loss, kl, clip_low, clip_high, ratio, entropy) x tokens, for the caller to reduce.
+    """
+    device = r.completion_ids.device
+    mbs = [slice(i, i + cfg.micro_batch_size)
+           for i in range(0, r.completion_ids.size(0), cfg.micro_batch_size)]
+    acc = torch.zeros(6, device=device)
+    for j, s in enumerate(mbs):
+        pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s], r.completion_ids[s],
+                                   cmask[s])
+        n = cids.size(1)
+        last = j == len(mbs) - 1
+        with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
+            with autocast(cfg, device):
+                logp, ent = _policy_logprobs(net, pids, pm, cids, cm, cfg.temperature)
+            # one pass: old = current (ratio 1); more: old = the log-probs recorded at sampling
+            old = logp.detach() if cfg.num_iterations == 1 else r.logprobs[s, :n]
+            loss, st = grpo_loss(logp, old, adv[s], cm, ref_logp=ref_lp[s, :n], beta=cfg.beta,
+                                 eps_low=cfg.epsilon_low, eps_high=cfg.epsilon_high,
+                                 agg=cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens,
+                                 max_new_tokens=cfg.max_new_tokens, entropy=ent)
+            scaled = loss * world_size
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        k = cm.sum()
+        acc += torch.stack([loss.detach(), st["kl"] * k, st["clip_low"] * k, st["clip_high"] * k,
+                            st["ratio"] * k, st["entropy"] * k])
+    return acc
+
+
+def _inject_fault(step: int, dist: D.DistInfo) -> None:
+    """Test hook: MINI_GRPO_FAULT=crash:N (or raise:N) makes the last rank die abruptly (or
+    raise) at GRPO step N, on the first attempt only, so an elastic restart can finish."""
+    kind, _, at = os.environ.get("MINI_GRPO_FAULT", "").partition(":")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if kind and int(at) == step and dist.rank == dist.world_size - 1 and first_attempt:
+        if kind == "crash":
+            print(f"[fault] rank {dist.rank} exits abruptly at step {step}", flush=True)
+            os._exit(13)
+        raise RuntimeError(f"injected fault on rank {dist.rank} at step {step}")
+
+
+def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.DistInfo,
+               logger: RunLogger | None, resume_state=None, comm: D.CommTimer | None = None):
+    """Runs GRPO steps until cfg.max_steps; the model is trained in place. Returns the
+    per-step metrics (what was logged), for benchmark.py.
+
+    `net` is the model as trained (DDP-wrapped under torchrun), `model` the bare module that
+    generation, checkpoints and evaluation use; `comm` times DDP's gradient all-reduce.
+    """
+    history = []
+    if comm:
+        comm.pop()
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    scaler = grad_scaler(cfg, device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + dist.rank)  # differs by rank
     G, W = cfg.group_size, dist.world_size
     start = 0
     if resume_state is not None:
         opt.load_state_dict(resume_state["optimizer"])
+        scaler.load_state_dict(resume_state.get("scaler", {}))
         set_rng_state(resume_state["rng"][min(dist.rank, len(resume_state["rng"]) - 1)], gen)
         start = resume_state["step"]
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
     skipped = 0
+    if logger:
+        logger.start_clock(start)
 
     for step in range(start + 1, cfg.max_steps + 1):
+        _inject_fault(step, dist)
         t_step = time.perf_counter()
         times = {}
         # ---- prompts: this rank's share of the global batch; a group never spans ranks
@@ -147,39 +213,24 @@ def train_grpo(cfg, task, tok, model, reference, scorer, device, dist: D.DistInf
         model.train()
         acc = torch.zeros(6, device=device)  # loss, kl, clip_low, clip_high, ratio, entropy
         for _ in range(cfg.num_iterations):
-            for j, s in enumerate(mbs):
-                pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s],
-                                           r.completion_ids[s], cmask[s])
-                n = cids.size(1)
-                sync = nullcontext() if (not dist.enabled or j == len(mbs) - 1) \
-                    else net.no_sync()
-                with sync:
-                    with autocast(cfg, device):
-                        logp, ent = _policy_logprobs(net, pids, pm, cids, cm, cfg.temperature)
-                    # one pass: old = current (ratio 1); more: old = the sampling log-probs
-                    old = logp.detach() if cfg.num_iterations == 1 else r.logprobs[s, :n]
-                    loss, st = grpo_loss(logp, old, adv[s], cm, ref_logp=ref_lp[s, :n],
-                                         beta=cfg.beta, eps_low=cfg.epsilon_low,
-                                         eps_high=cfg.epsilon_high, agg=cfg.loss_agg,
-                                         num_seqs=num_seqs, num_tokens=num_tokens,
-                                         max_new_tokens=cfg.max_new_tokens, entropy=ent)
-                    # DDP averages gradients over ranks; our normalisers are already global
-                    (loss * W).backward()
-                k = cm.sum()
-                acc += torch.stack([loss.detach(), st["kl"] * k, st["clip_low"] * k,
-                                    st["clip_high"] * k, st["ratio"] * k, st["entropy"] * k])
+            acc += accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
+                                        W, scaler)
+            scaler.unscale_(opt)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                    cfg.grad_clip or float("inf"))
             bad = D.all_reduce_max(torch.tensor(
                 float(not (torch.isfinite(gnorm) and torch.isfinite(acc[0]))), device=device))
             if bad.item() > 0:  # non-finite loss or gradient: skip, on every rank alike
                 opt.zero_grad(set_to_none=True)
+                if scaler.is_enabled():
+                    scaler.update(scaler.get_scale() / 2)
                 skipped += 1
                 if logger:
                     logger.event(step, f"non-finite loss or gradient, step skipped "
                                        f"({skipped} so far)")
                 continue
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad(set_to_none=True)
         times["policy"] = time.perf_counter() - t0
         dt = time.perf_counter() - t_step
@@ -199,9 +250,17 @@ def train_grpo(cfg, task, tok, model, reference, scorer, device, dist: D.DistInf
              "zero_spread_frac": (red[7] / red[8]).item(), "grad_norm": gnorm.item(), "lr": lr,
              "tokens_per_s": (red[6] / dt).item(), "skipped_steps": skipped}
         m.update({f"time/{k}": v for k, v in times.items()})
-        cols = {k: torch.tensor([float(v.sum())], device=device) for k, v in res.columns.items()}
-        for k, v in cols.items():
-            m[f"reward/{k}"] = (D.all_reduce_sum(v) / sums[0]).item()
+        m["time/step"] = dt
+        m["time/comm"] = comm.pop() if comm else 0.0
+        m["tokens/train"] = (counts[1] + D.all_reduce_sum(r.prompt_mask.sum().float())).item()
+        history.append(m)
+        # scorer health (this rank's): seconds and failed rows per plugin
+        m.update({k: v for k, v in res.metrics.items() if k.endswith(("/seconds", "/failures"))})
+        for k, v in res.columns.items():  # per plugin, over all ranks' rows
+            s1, s2 = D.all_reduce_sum(torch.tensor([v.sum(), (v**2).sum()], device=device))
+            mean = s1 / sums[0]
+            m[f"reward/{k}/mean"] = mean.item()
+            m[f"reward/{k}/std"] = (s2 / sums[0] - mean**2).clamp(min=0).sqrt().item()
         if logger and step % cfg.log_every == 0:
             logger.scalars(step, m)
             logger.progress(step, {"reward": m["reward/mean"], "kl": m["kl"],
@@ -215,21 +274,20 @@ def train_grpo(cfg, task, tok, model, reference, scorer, device, dist: D.DistInf
                 f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
                 for s in ev["samples"]))
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            states = [None] * W
-            states[dist.rank] = rng_state(gen)
-            if dist.enabled:
-                torch.distributed.all_gather_object(states, states[dist.rank])
+            states = D.all_gather_object(rng_state(gen))  # every rank's sampling RNG
             if dist.is_main:
-                save_grpo_checkpoint(cfg, tok, model, opt, step, states, ckpt_dir)
+                save_grpo_checkpoint(cfg, tok, model, opt, scaler, step, states, ckpt_dir)
             D.barrier()
+    return history
 
 
-def save_grpo_checkpoint(cfg, tok, model, opt, step, rng_states, ckpt_dir):
+def save_grpo_checkpoint(cfg, tok, model, opt, scaler, step, rng_states, ckpt_dir):
     """Writes a checkpoint only from finite parameters (a NaN must never reach the disk)."""
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         print(f"[mini-grpo] step {step}: parameters are not finite, checkpoint NOT written")
         return None
     state = {"kind": "grpo", "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "scaler": scaler.state_dict(),
              "step": step, "rng": rng_states, "config": cfg.to_dict(), "tokenizer": tok.chars}
     return save_checkpoint(state, ckpt_dir, step, keep=cfg.keep_checkpoints)
 
@@ -239,14 +297,14 @@ def load_policy(path: str, device) -> tuple[GPT, CharTokenizer, dict]:
     state = load_checkpoint(path)
     tok = CharTokenizer(state["tokenizer"])
     cfg = GRPOConfig(**state["config"])
-    model = build_model(cfg, tok.vocab_size)
+    model = build_model(cfg, tok.vocab_size, device)
     model.load_state_dict(state["model"])
-    return model.to(device).eval(), tok, state
+    return model.eval(), tok, state
 
 
 def train(cfg: GRPOConfig) -> dict:
     """The whole job: SFT warm start, GRPO, before/after evaluation (rank 0 writes eval.json)."""
-    dist = D.init()
+    dist = D.init(cfg.dist_timeout)
     device = resolve_device(cfg, dist.local_rank)
     threads = setup_backends(cfg, dist.local_world_size)
     task = build_task(cfg)
@@ -263,7 +321,7 @@ def train(cfg: GRPOConfig) -> dict:
         raise CheckpointError("checkpoint tokenizer differs from this task's alphabet")
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg, tok.vocab_size).to(device)
+    model = build_model(cfg, tok.vocab_size, device)
     logger = None
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -277,26 +335,34 @@ def train(cfg: GRPOConfig) -> dict:
     with scorer:
         if cfg.init_from:
             model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
+        net, comm = D.wrap_ddp(model, device)  # (model, None) in a single process
         if "sft" in cfg.mode.split("_"):
-            train_sft(cfg, task, tok, model, device, dist, logger)
+            train_sft(cfg, task, tok, model, device, dist, logger, ddp_model=net)
         result = {}
         if "grpo" in cfg.mode.split("_"):
             reference = Reference(model, device, cfg.offload_reference) if cfg.beta else None
             if dist.is_main and resume_state is None:
                 result["before"] = _eval_both(model, tok, task, scorer, cfg, device, logger, 0)
+                (out / "eval.json").write_text(json.dumps(result, indent=2))
+            elif dist.is_main and (out / "eval.json").is_file():  # resumed: keep "before"
+                result = {k: v for k, v in json.loads((out / "eval.json").read_text()).items()
+                          if k == "before"}
             if resume_state is not None:
                 model.load_state_dict(resume_state["model"])
                 if dist.is_main:
                     print(f"[mini-grpo] resuming GRPO from step {resume_state['step']}")
-            train_grpo(cfg, task, tok, model, reference, scorer, device, dist, logger,
-                       resume_state)
+            train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist, logger,
+                       resume_state, comm)
         if dist.is_main:
-            result["after"] = _eval_both(model, tok, task, scorer, cfg, device, logger,
-                                         cfg.max_steps)
-            (out / "eval.json").write_text(json.dumps(result, indent=2))
+            last = cfg.max_steps if "grpo" in cfg.mode else cfg.sft_steps
+            result["after"] = _eval_both(model, tok, task, scorer, cfg, device, logger, last)
             table = {f"{k} {mode}": v[mode] for k, v in result.items()
                      for mode in ("greedy", "sampled")}
+            result["baselines"] = trivial_baselines(task.eval, scorer, task.name)
+            (out / "eval.json").write_text(json.dumps(result, indent=2))
             print("\n" + format_table(table), flush=True)
+            print("trivial answers under the same reward: " + ", ".join(
+                f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
     if logger:
         logger.close()
     D.barrier()

@@ -1,5 +1,6 @@
 """End-to-end GRPO on the tiny config: parameters move, runs reproduce, resume is exact."""
 
+import json
 import warnings
 
 import pytest
@@ -14,8 +15,9 @@ from mini_grpo.trainer import train
 
 
 def tiny(tmp_path, name, **kw):
+    # fp32: exact reproducibility and resume are promised for fp32 on CPU
     over = {"out_dir": str(tmp_path / name), "mode": "grpo", "num_eval": 8,
-            "num_reward_workers": 1, "parallel_rewards": False}
+            "num_reward_workers": 1, "parallel_rewards": False, "use_amp": False}
     over.update(kw)
     return load_config("tiny", {k: str(v) for k, v in over.items()}, env={})
 
@@ -41,7 +43,10 @@ def test_few_steps_change_parameters_and_reproduce(tmp_path):
         assert torch.equal(sa["model"][k], sb["model"][k]), k
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     assert any('"reward/mean"' in line for line in lines)
-    assert (tmp_path / "a" / "eval.json").is_file()
+    ev = json.loads((tmp_path / "a" / "eval.json").read_text())
+    assert set(ev) == {"before", "after", "baselines"}
+    assert ev["baselines"]["empty"] == 0.0 and 0.3 < ev["baselines"]["start_fen"] < 0.5
+    assert ev["after"]["greedy"]["n"] == a.num_eval
     assert (tmp_path / "a" / "config.yaml").is_file()
 
 
@@ -86,3 +91,31 @@ def test_offloaded_reference_gives_the_same_logprobs():
     offloaded = Reference(m, torch.device("cpu"), offload=True).logprobs(*args)
     torch.testing.assert_close(plain, offloaded, rtol=0, atol=0)
     torch.testing.assert_close(plain, r.logprobs, rtol=0, atol=1e-5)
+
+
+def test_evaluate_and_sample_commands_on_a_checkpoint(tmp_path, capsys):
+    from mini_grpo.cli import main
+
+    cfg = tiny(tmp_path, "c", max_steps=1)
+    train(cfg)
+    ckpt = str(list_checkpoints(f"{cfg.out_dir}/checkpoints")[-1])
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "e2e4 e7e5:", "--n", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("e2e4 e7e5: ") for line in lines)
+    assert main(["evaluate", "--checkpoint", ckpt, "--json", str(tmp_path / "ev.json")]) == 0
+    out = capsys.readouterr().out
+    assert "greedy" in out and "valid_fen" in out
+    assert (tmp_path / "ev.json").is_file()
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "e2e4 Z:"]) == 2
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "missing.pt")]) == 2
+
+
+def test_sft_then_grpo_under_bf16_autocast_runs_and_lowers_the_sft_loss(tmp_path):
+    cfg = tiny(tmp_path, "bf16", mode="sft_grpo", use_amp=True, amp_dtype="bfloat16",
+               sft_steps=30, sft_lr=3e-3, max_steps=1, log_every=1)
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").open()]
+    sft_loss = [r["sft/loss"] for r in rows if "sft/loss" in r]
+    assert len(sft_loss) == 30 and sft_loss[-1] < 0.8 * sft_loss[0]
+    assert any("reward/mean" in r for r in rows)
