@@ -55,7 +55,7 @@ def bench_generation(cfg, batch: int, new_tokens: int, repeats: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with autocast(cfg, device):
+        with autocast(cfg, device, generation=True):
             r = generate(model, prompts, new_tokens, eos_id=-1, pad_id=tok.pad_id,
                          generator=g, use_cache=use_cache)
         if device.type == "cuda":

@@ -39,7 +39,7 @@ def evaluate(model, tok, examples, scorer, cfg, device, greedy: bool, batch_size
     texts, lengths = [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        with autocast(cfg, device):
+        with autocast(cfg, device, generation=True):
             r = sample(model, tok, [ex.prompt for ex in chunk], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        greedy=greedy, generator=gen)

@@ -39,9 +39,14 @@ def amp_dtype(cfg: GRPOConfig, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if _cpu_has_bf16() else None
 
 
-def autocast(cfg: GRPOConfig, device: torch.device):
-    """Context manager for forward passes: autocast when AMP is on, else a no-op."""
+def autocast(cfg: GRPOConfig, device: torch.device, generation: bool = False):
+    """Context manager for forward passes: autocast when AMP is on, else a no-op.
+    `generation=True` marks sampling, which follows `generation_amp`."""
     dtype = amp_dtype(cfg, device)
+    if generation and cfg.generation_amp == "off":
+        dtype = None
+    elif generation and cfg.generation_amp == "on" and dtype is None:
+        dtype = amp_dtype(GRPOConfig(use_amp=True, amp_dtype=cfg.amp_dtype), device)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

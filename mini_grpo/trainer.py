@@ -167,7 +167,7 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
 
         # ---- rollout with the unwrapped policy (no DDP hooks)
         t0 = time.perf_counter()
-        with autocast(cfg, device):
+        with autocast(cfg, device, generation=True):
             r = sample(model, tok, [ex.prompt for ex in rows], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        generator=gen)
