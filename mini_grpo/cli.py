@@ -37,12 +37,16 @@ def train_main(argv: list[str]) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from .checkpoint import CheckpointError
+    from .guards import GuardError
     from .trainer import train
 
     try:
         train(cfg)
     except (ConfigError, CheckpointError) as e:
         return _fail(e)
+    except GuardError as e:  # the fallback ladder ran out: a clear line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -119,8 +119,12 @@ class GRPOConfig:
     generation_amp: Literal["auto", "on", "off"] = "auto"
     use_tf32: bool = True  # TF32 matmuls on Ampere+; no-op elsewhere
     compile_model: bool = False  # ~30 s cold start, no speed-up measured on CPU
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    fused_optimizer: bool = True  # fused AdamW kernel; false = the per-parameter loop
     offload_reference: bool = False  # keep the reference model's weights on CPU
     num_threads: int = 0  # torch intra-op threads per process; 0 = cores / local ranks
+    # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
+    guard_patience: int = 3
     # a collective that waits longer than this (a dead or stuck rank) fails the job
     dist_timeout: float = 600.0
 
@@ -130,7 +134,7 @@ class GRPOConfig:
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
-                    "dist_timeout"]
+                    "dist_timeout", "guard_patience"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -182,6 +186,8 @@ ENV_VARS: dict[str, str] = {
     "COMPILE_MODEL": "compile_model",
     "GRADIENT_CHECKPOINTING": "gradient_checkpointing",
     "OFFLOAD_REFERENCE": "offload_reference",
+    "FUSED_OPTIMIZER": "fused_optimizer",
+    "COMPILE_MODE": "compile_mode",
     "PARALLEL_REWARDS": "parallel_rewards",
     "REWARD_EXECUTOR": "reward_executor",
     "NUM_WORKERS": "num_reward_workers",

@@ -8,15 +8,20 @@ import torch
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                   betas=(0.9, 0.99)) -> torch.optim.AdamW:
-    """Decay matrices only (not biases, LayerNorm or embeddings' 1-D params)."""
+                   betas=(0.9, 0.99), fused: bool = True) -> torch.optim.AdamW:
+    """Decay matrices only (not biases, LayerNorm or embeddings' 1-D params).
+
+    fused=True: the fused AdamW kernel (CUDA, and CPU in torch >= 2.4); False: the plain
+    per-parameter loop (no foreach), the slow baseline benchmark.py compares against.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    if fused:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

@@ -33,7 +33,7 @@ def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_
             print(f"[sft] reusing finished SFT stage from {path}")
         return path
     net = ddp_model or model
-    opt = make_optimizer(model, cfg.sft_lr, cfg.weight_decay)
+    opt = make_optimizer(model, cfg.sft_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
     scaler = grad_scaler(cfg, device)
     warmup = min(cfg.warmup_steps * 5, cfg.sft_steps // 10)
     model.train()

@@ -23,6 +23,7 @@ from . import distributed as D
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -32,10 +33,18 @@ from .config import ConfigError, GRPOConfig
 from .data import batch_indices, shard
 from .evaluate import evaluate, format_table, trivial_baselines
 from .grpo import group_advantages, grpo_loss, token_logprobs
+from .guards import Guard, GuardError
 from .logger import RunLogger
 from .model import GPT, GPTConfig, attention_mask, positions
 from .optim import lr_at, make_optimizer, set_lr
-from .precision import amp_dtype, autocast, grad_scaler, resolve_device, setup_backends
+from .precision import (
+    amp_dtype,
+    autocast,
+    compile_with_fallback,
+    grad_scaler,
+    resolve_device,
+    setup_backends,
+)
 from .reference import Reference
 from .rollout import sample
 from .scoring import RewardScorer
@@ -130,6 +139,12 @@ def _inject_fault(step: int, dist: D.DistInfo) -> None:
         raise RuntimeError(f"injected fault on rank {dist.rank} at step {step}")
 
 
+def _nan_injected(step: int, dist: D.DistInfo) -> bool:
+    """Test hook: MINI_GRPO_NAN_STEPS=3,4,5 poisons the last rank's loss at those steps."""
+    steps = os.environ.get("MINI_GRPO_NAN_STEPS", "")
+    return dist.rank == dist.world_size - 1 and str(step) in steps.split(",")
+
+
 def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.DistInfo,
                logger: RunLogger | None, resume_state=None, comm: D.CommTimer | None = None):
     """Runs GRPO steps until cfg.max_steps; the model is trained in place. Returns the
@@ -141,7 +156,7 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
     history = []
     if comm:
         comm.pop()
-    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, fused=cfg.fused_optimizer)
     scaler = grad_scaler(cfg, device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + dist.rank)  # differs by rank
     G, W = cfg.group_size, dist.world_size
@@ -152,7 +167,7 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
         set_rng_state(resume_state["rng"][min(dist.rank, len(resume_state["rng"]) - 1)], gen)
         start = resume_state["step"]
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
-    skipped = 0
+    guard, lr_scale = Guard(cfg.guard_patience), 1.0
     if logger:
         logger.start_clock(start)
 
@@ -208,30 +223,55 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
         t0 = time.perf_counter()
-        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps) * lr_scale
         set_lr(opt, lr)
         model.train()
         acc = torch.zeros(6, device=device)  # loss, kl, clip_low, clip_high, ratio, entropy
         for _ in range(cfg.num_iterations):
-            acc += accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
+            part = accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
                                         W, scaler)
+            if _nan_injected(step, dist):  # test hook: poison this rank's loss and gradient
+                part[0] = float("nan")
+                next(model.parameters()).grad.fill_(float("nan"))
+            acc += part
             scaler.unscale_(opt)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                    cfg.grad_clip or float("inf"))
-            bad = D.all_reduce_max(torch.tensor(
-                float(not (torch.isfinite(gnorm) and torch.isfinite(acc[0]))), device=device))
-            if bad.item() > 0:  # non-finite loss or gradient: skip, on every rank alike
+            # with fp16 loss scaling, overflowing gradients are the scaler's to skip
+            if guard.step_ok(part[0], gnorm if not scaler.is_enabled() else part[0]):
+                scaler.step(opt)
+                scaler.update()
                 opt.zero_grad(set_to_none=True)
-                if scaler.is_enabled():
-                    scaler.update(scaler.get_scale() / 2)
-                skipped += 1
-                if logger:
-                    logger.event(step, f"non-finite loss or gradient, step skipped "
-                                       f"({skipped} so far)")
                 continue
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)  # skip the step, on every rank alike
+            if scaler.is_enabled():
+                scaler.update(scaler.get_scale() / 2)
+            if logger:
+                logger.event(step, f"non-finite loss or gradient: step skipped "
+                                   f"({guard.consecutive} in a row, {guard.skipped} in all)")
+            # every rank must see the checkpoint (shared storage) for "restore" to be agreed
+            have = D.all_reduce_sum(torch.tensor([float(bool(list_checkpoints(ckpt_dir)))],
+                                                 device=device)).item() == W
+            rung, what = guard.rung(cfg.use_amp, have), None
+            if rung == "amp_off":
+                cfg.use_amp = False
+                scaler = grad_scaler(cfg, device)
+                what = "autocast turned off (fp32) for the rest of the run"
+            elif rung == "halve_lr":
+                lr_scale /= 2
+                what = f"learning rate halved (x{lr_scale:g} of the schedule)"
+            elif rung == "restore":
+                path, state = latest_checkpoint(ckpt_dir)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
+                what = f"restored {path}"
+            elif rung == "stop":
+                raise GuardError(f"step {step}: loss or gradients stayed non-finite for "
+                                 f"{cfg.guard_patience} steps after every fallback (AMP off, "
+                                 f"learning rate halved, last checkpoint restored); see "
+                                 f"{cfg.out_dir}/metrics.jsonl")
+            if what and logger:
+                logger.event(step, f"fallback after {cfg.guard_patience} skipped steps: {what}")
         times["policy"] = time.perf_counter() - t0
         dt = time.perf_counter() - t_step
 
@@ -248,7 +288,8 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
              "ratio": (red[4] / tok_total).item(), "entropy": (red[5] / tok_total).item(),
              "completion_len/mean": (red[6] / sums[0]).item(), "completion_len/max": max_len.item(),
              "zero_spread_frac": (red[7] / red[8]).item(), "grad_norm": gnorm.item(), "lr": lr,
-             "tokens_per_s": (red[6] / dt).item(), "skipped_steps": skipped}
+             "tokens_per_s": (red[6] / dt).item(), "guard/skipped": guard.skipped,
+             "guard/rungs_used": guard.next_rung}
         m.update({f"time/{k}": v for k, v in times.items()})
         m["time/step"] = dt
         m["time/comm"] = comm.pop() if comm else 0.0
@@ -273,7 +314,9 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
             logger.text(step, "samples", "\n\n".join(
                 f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
                 for s in ev["samples"]))
-        if step % cfg.save_every == 0 or step == cfg.max_steps:
+        # a checkpoint only from a step whose update went through: "restore" must go back
+        # to a state from before the trouble, not to one saved during it
+        if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
             states = D.all_gather_object(rng_state(gen))  # every rank's sampling RNG
             if dist.is_main:
                 save_grpo_checkpoint(cfg, tok, model, opt, scaler, step, states, ckpt_dir)
@@ -335,7 +378,9 @@ def train(cfg: GRPOConfig) -> dict:
     with scorer:
         if cfg.init_from:
             model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
-        net, comm = D.wrap_ddp(model, device)  # (model, None) in a single process
+        # the training forward may be compiled; generation and checkpoints use `model` itself
+        trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
+        net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
         if "sft" in cfg.mode.split("_"):
             train_sft(cfg, task, tok, model, device, dist, logger, ddp_model=net)
         result = {}
