@@ -6,6 +6,7 @@
     torchrun --standalone --nproc_per_node=2 benchmark.py --config default --only step
     python benchmark.py --config default --only scaling   # runs the step section with 1
                                                           # process, then 2 under torchrun
+    python benchmark.py --config default --only ablations # each speed switch flipped alone
     python benchmark.py --compare A.json B.json           # ratios of B over A
 
 Generation: `--batch` prompts (held-out prompts of the config's task) and exactly
@@ -88,11 +89,12 @@ def format_generation(r: dict) -> str:
         f"  speed-up     {r['speedup_kv_vs_recompute']:>10.2f}x"])
 
 
-def bench_step(cfg, warmup: int, steps: int) -> dict:
+def bench_step(cfg, warmup: int, steps: int, task=None) -> dict:
     """Real GRPO steps through the trainer; works alone or as one rank under torchrun."""
     import tempfile
 
     from mini_grpo import distributed as D
+    from mini_grpo.precision import compile_with_fallback
     from mini_grpo.reference import Reference
     from mini_grpo.scoring import RewardScorer
     from mini_grpo.trainer import train_grpo
@@ -100,14 +102,15 @@ def bench_step(cfg, warmup: int, steps: int) -> dict:
     dist = D.init(cfg.dist_timeout)
     device = resolve_device(cfg, dist.local_rank)
     setup_backends(cfg, dist.local_world_size)
-    task = build_task(cfg)
+    task = task or build_task(cfg)
     tok = CharTokenizer(task.alphabet)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tok.vocab_size, device)
     if cfg.init_from:
         from mini_grpo.checkpoint import load_checkpoint
         model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
-    net, comm = D.wrap_ddp(model, device)
+    trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
+    net, comm = D.wrap_ddp(trained, device)
     reference = Reference(model, device, cfg.offload_reference) if cfg.beta else None
     cfg.max_steps, cfg.eval_every, cfg.save_every = warmup + steps, 10**9, 10**9
     with tempfile.TemporaryDirectory() as tmp, RewardScorer.from_config(cfg, task) as scorer:
@@ -131,6 +134,45 @@ def bench_step(cfg, warmup: int, steps: int) -> dict:
            "is_main": dist.is_main}
     out["phase_share"] = {p: v / out["step_s"]["median"] for p, v in out["phase_s"].items()}
     return out
+
+
+# each switch toggled alone against the config's own value (kv_cache: off only)
+ABLATIONS = ["use_amp", "use_tf32", "compile_model", "gradient_checkpointing",
+             "fused_optimizer", "offload_reference", "parallel_rewards", "kv_cache"]
+
+
+def bench_ablations(cfg, warmup: int, steps: int) -> dict:
+    """The step section for the config and for each switch flipped alone, in one process."""
+    import copy
+
+    task = build_task(cfg)
+    runs = {}
+    for name in ["base"] + ABLATIONS:
+        c = copy.deepcopy(cfg)
+        if name != "base":
+            setattr(c, name, not getattr(cfg, name))
+        if name == "kv_cache" and not cfg.kv_cache:
+            continue
+        label = name if name == "base" else f"{name}={getattr(c, name)}"
+        print(f"[bench] ablation {label}", file=sys.stderr, flush=True)
+        # full recompute is ~20x slower to generate: fewer steps tell the same story
+        w, n = (1, 2) if name == "kv_cache" else (warmup, steps)
+        runs[label] = bench_step(c, w, n, task=task)
+    base = runs["base"]["step_s"]["median"]
+    for r in runs.values():
+        r["step_ratio_vs_base"] = r["step_s"]["median"] / base
+    return runs
+
+
+def format_ablations(runs: dict) -> str:
+    lines = [f"{'ablation (one switch flipped)':<34} {'s/step':>8} {'vs base':>8} "
+             f"{'generate':>9} {'reference':>9} {'policy':>8}"]
+    for label, r in runs.items():
+        p = r["phase_s"]
+        lines.append(f"{label:<34} {r['step_s']['median']:>8.3f} "
+                     f"{r['step_ratio_vs_base']:>7.2f}x {p['generate']:>9.3f} "
+                     f"{p['reference']:>9.3f} {p['policy']:>8.3f}")
+    return "\n".join(lines)
 
 
 def format_step(r: dict) -> str:
@@ -202,7 +244,8 @@ def compare(path_a: str, path_b: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
-    ap.add_argument("--only", choices=["generation", "rewards", "step", "scaling"])
+    ap.add_argument("--only",
+                    choices=["generation", "rewards", "step", "scaling", "ablations"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=72)
     ap.add_argument("--repeats", type=int, default=5)
@@ -227,6 +270,9 @@ def main(argv=None) -> int:
     if args.only in (None, "generation"):
         result["generation"] = bench_generation(cfg, args.batch, args.new_tokens, args.repeats)
         print(format_generation(result["generation"]))
+    if args.only == "ablations":
+        result["ablations"] = bench_ablations(cfg, args.warmup, args.steps)
+        print(format_ablations(result["ablations"]))
     if args.only == "scaling":
         result["scaling"] = bench_scaling(args, rest)
         print(format_scaling(result["scaling"]))

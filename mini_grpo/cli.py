@@ -4,6 +4,7 @@
     mini-grpo train --config tiny --print-config           # show the resolved config, exit
     mini-grpo evaluate --checkpoint runs/default/checkpoints/step_0000200.pt [--num_eval=1024]
     mini-grpo sample --checkpoint PATH --prompt "e2e4 e7e5 g1f3:" [--n 4] [--greedy]
+    mini-grpo rft-generate --checkpoint PATH --output rft.jsonl [--rft_oversample=16 ...]
 
 Bad input (config, data, plugin, checkpoint) is one line on stderr and exit code 2; config
 errors are caught before the trainer (and torch's start-up cost) is even imported.
@@ -130,7 +131,44 @@ def sample_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main}
+def rft_generate_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="mini-grpo rft-generate",
+                                 description="rejection-sampling data from a checkpoint "
+                                             "(any config field as --key=value)")
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--output", required=True, help="JSONL file to write (resumed if present)")
+    ap.add_argument("--split", choices=["train", "eval"], default="train")
+    args, rest = ap.parse_known_args(argv)
+    from .checkpoint import CheckpointError
+
+    try:
+        _, cfg = _checkpoint_config(args.checkpoint, rest)
+        from . import distributed as D
+        from .precision import resolve_device, setup_backends
+        from .rft import generate_rft_data
+        from .scoring import RewardScorer
+        from .tasks import build_task
+        from .trainer import load_policy
+
+        dist = D.init(cfg.dist_timeout)
+        setup_backends(cfg, dist.local_world_size)
+        device = resolve_device(cfg, dist.local_rank)
+        model, tok, _ = load_policy(args.checkpoint, device)
+        task = build_task(cfg)
+        examples = task.train if args.split == "train" else task.eval
+        if args.split == "train" and cfg.rft_num_prompts:
+            keep = set(list(dict.fromkeys(ex.prompt for ex in examples))[:cfg.rft_num_prompts])
+            examples = [ex for ex in examples if ex.prompt in keep]
+        with RewardScorer.from_config(cfg, task) as scorer:
+            generate_rft_data(model, tok, examples, scorer, cfg, device, dist, args.output)
+        D.cleanup()
+    except (ConfigError, CheckpointError) as e:
+        return _fail(e)
+    return 0
+
+
+COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,
+            "rft-generate": rft_generate_main}
 
 
 def main(argv: list[str] | None = None) -> int:

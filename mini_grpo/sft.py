@@ -24,26 +24,36 @@ def sft_dir(cfg: GRPOConfig) -> Path:
     return Path(cfg.out_dir) / "sft"
 
 
-def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_model=None):
-    """Trains `model` in place for cfg.sft_steps, or loads the finished stage from disk."""
-    path, state = latest_checkpoint(sft_dir(cfg))
-    if state is not None and state.get("step") == cfg.sft_steps:
+def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_model=None,
+              examples=None, steps=None, lr=None, directory=None, tag="sft"):
+    """Trains `model` in place, or loads the finished stage from disk.
+
+    Defaults: the task's training split, cfg.sft_steps at cfg.sft_lr, into <out_dir>/sft.
+    The RFT stage passes its accepted rows instead; a row with a "completion" in its metadata
+    is trained on that completion, else on its target.
+    """
+    examples = task.train if examples is None else examples
+    steps = cfg.sft_steps if steps is None else steps
+    base_lr = cfg.sft_lr if lr is None else lr
+    directory = sft_dir(cfg) if directory is None else Path(directory)
+    path, state = latest_checkpoint(directory)
+    if state is not None and state.get("step") == steps:
         model.load_state_dict(state["model"])
         if dist.is_main:
-            print(f"[sft] reusing finished SFT stage from {path}")
+            print(f"[{tag}] reusing finished stage from {path}")
         return path
     net = ddp_model or model
-    opt = make_optimizer(model, cfg.sft_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
+    opt = make_optimizer(model, base_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
     scaler = grad_scaler(cfg, device)
-    warmup = min(cfg.warmup_steps * 5, cfg.sft_steps // 10)
+    warmup = min(cfg.warmup_steps * 5, steps // 10)
     model.train()
     t0, tokens = time.perf_counter(), 0
-    for step in range(1, cfg.sft_steps + 1):
-        idx = batch_indices(len(task.train), cfg.sft_batch_size, step - 1, cfg.seed)
-        pairs = [(task.train[i].prompt, task.train[i].target)
+    for step in range(1, steps + 1):
+        idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)
+        pairs = [(examples[i].prompt, examples[i].meta.get("completion", examples[i].target))
                  for i in shard(idx, dist.rank, dist.world_size)]
         x, y = sft_batch(tok, pairs, device)
-        lr = lr_at(step, cfg.sft_lr, warmup, cfg.sft_steps)
+        lr = lr_at(step, base_lr, warmup, steps)
         set_lr(opt, lr)
         with autocast(cfg, device):
             logits = net(x)
@@ -56,21 +66,21 @@ def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_
         scaler.update()
         opt.zero_grad(set_to_none=True)
         tokens += x.numel()
-        if dist.is_main and (step % cfg.log_every == 0 or step == cfg.sft_steps):
+        if dist.is_main and (step % cfg.log_every == 0 or step == steps):
             dt = time.perf_counter() - t0
             m = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(),
                  "tokens_per_s": tokens * dist.world_size / dt}
             if logger is not None:
-                logger.scalars(step, m, prefix="sft/")
-            if step % max(cfg.log_every, 10) == 0 or step == cfg.sft_steps:
-                eta = dt / step * (cfg.sft_steps - step)
-                print(f"[sft] step {step}/{cfg.sft_steps} loss {m['loss']:.4f} lr {lr:.2e} "
+                logger.scalars(step, m, prefix=f"{tag}/")
+            if step % max(cfg.log_every, 10) == 0 or step == steps:
+                eta = dt / step * (steps - step)
+                print(f"[{tag}] step {step}/{steps} loss {m['loss']:.4f} lr {lr:.2e} "
                       f"{m['tokens_per_s']:.0f} tok/s ETA {eta / 60:.1f}m", flush=True)
     path = None
     if dist.is_main:
-        state = {"kind": "sft", "model": model.state_dict(), "step": cfg.sft_steps,
+        state = {"kind": tag, "model": model.state_dict(), "step": steps,
                  "config": cfg.to_dict(), "tokenizer": tok.chars}
-        path = save_checkpoint(state, sft_dir(cfg), cfg.sft_steps, keep=1)
-        print(f"[sft] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
+        path = save_checkpoint(state, directory, steps, keep=1)
+        print(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
     D.barrier()
     return path

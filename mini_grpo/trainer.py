@@ -46,10 +46,11 @@ from .precision import (
     setup_backends,
 )
 from .reference import Reference
+from .rft import _read_rows, generate_rft_data
 from .rollout import sample
 from .scoring import RewardScorer
 from .sft import train_sft
-from .tasks import build_task
+from .tasks import build_task, load_jsonl
 from .tokenizer import CharTokenizer
 
 
@@ -185,7 +186,7 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
         with autocast(cfg, device, generation=True):
             r = sample(model, tok, [ex.prompt for ex in rows], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                       generator=gen)
+                       generator=gen, use_cache=cfg.kv_cache)
         times["generate"] = time.perf_counter() - t0
 
         # ---- rewards and advantages
@@ -381,10 +382,15 @@ def train(cfg: GRPOConfig) -> dict:
         # the training forward may be compiled; generation and checkpoints use `model` itself
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
         net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
-        if "sft" in cfg.mode.split("_"):
+        stages = STAGES[cfg.mode]
+        if "sft" in stages:
             train_sft(cfg, task, tok, model, device, dist, logger, ddp_model=net)
         result = {}
-        if "grpo" in cfg.mode.split("_"):
+        if "rft" in stages:
+            if dist.is_main:
+                result["before"] = _eval_both(model, tok, task, scorer, cfg, device, logger, 0)
+            run_rft(cfg, task, tok, model, net, scorer, device, dist, logger)
+        if "grpo" in stages:
             reference = Reference(model, device, cfg.offload_reference) if cfg.beta else None
             if dist.is_main and resume_state is None:
                 result["before"] = _eval_both(model, tok, task, scorer, cfg, device, logger, 0)
@@ -399,7 +405,8 @@ def train(cfg: GRPOConfig) -> dict:
             train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist, logger,
                        resume_state, comm)
         if dist.is_main:
-            last = cfg.max_steps if "grpo" in cfg.mode else cfg.sft_steps
+            last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1],
+                                                                         cfg.sft_steps)
             result["after"] = _eval_both(model, tok, task, scorer, cfg, device, logger, last)
             table = {f"{k} {mode}": v[mode] for k, v in result.items()
                      for mode in ("greedy", "sampled")}
@@ -413,6 +420,25 @@ def train(cfg: GRPOConfig) -> dict:
     D.barrier()
     D.cleanup()
     return result
+
+
+STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft")}
+
+
+def run_rft(cfg, task, tok, model, net, scorer, device, dist: D.DistInfo, logger) -> None:
+    """Rejection sampling from the current model, then SFT on the accepted completions."""
+    prompts = list(dict.fromkeys(ex.prompt for ex in task.train))
+    keep = set(prompts[:cfg.rft_num_prompts] if cfg.rft_num_prompts else prompts)
+    examples = [ex for ex in task.train if ex.prompt in keep]
+    data = Path(cfg.out_dir) / "rft" / "data.jsonl"
+    generate_rft_data(model, tok, examples, scorer, cfg, device, dist, data)
+    rows = _read_rows(data)
+    if not rows:
+        raise ConfigError(f"rft_min_reward: no completion of {len(keep)} prompts reached "
+                          f"{cfg.rft_min_reward}; lower it or train the SFT stage longer")
+    accepted = load_jsonl(data)
+    train_sft(cfg, task, tok, model, device, dist, logger, ddp_model=net, examples=accepted,
+              steps=cfg.rft_sft_steps, lr=cfg.rft_lr, directory=data.parent / "sft", tag="rft")
 
 
 def _procs(dist: D.DistInfo) -> str:

@@ -102,3 +102,14 @@ def test_parse_cli_forms():
         parse_cli(["lr=1"])
     with pytest.raises(ConfigError, match="--lr: missing value"):
         parse_cli(["--lr"])
+
+
+def test_train_sh_help_lists_every_environment_variable():
+    from mini_grpo.config import ENV_VARS
+
+    r = subprocess.run(["bash", str(ROOT / "train.sh"), "--help"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0
+    for var in ["NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CONFIG",
+                *ENV_VARS]:
+        assert f"{var}=" in r.stdout, var

@@ -2,15 +2,19 @@
 
 Fields other than prompt and target become the row's `meta` and reach reward plugins as is.
 Blank lines are skipped; anything else that is not such an object is an error naming the file
-and line, so a typo never silently drops training data.
+and line, so a typo never silently drops training data. The one exception is a last line with
+no newline that does not parse: a write cut short by a kill, skipped with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from mini_grpo.config import ConfigError, GRPOConfig
 from mini_grpo.tasks import Example, TaskData, split_held_out
+
+log = logging.getLogger("mini_grpo.tasks")
 
 DEFAULT_REWARDS = [{"name": "levenshtein", "weight": 0.5}, {"name": "exact_match", "weight": 0.5}]
 
@@ -34,6 +38,9 @@ def load_jsonl(path, tokenizer=None) -> list[Example]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
+                if not raw.endswith(b"\n"):  # a last line cut short by a kill mid-write
+                    log.warning("%s: truncated last line skipped (%s)", where, e.msg)
+                    break
                 raise ConfigError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise ConfigError(f"{where}: expected an object with \"prompt\" and \"target\", "

@@ -1,0 +1,138 @@
+"""Rejection-sampling data generation: coverage, threshold, resume, torchrun sharding."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mini_grpo import distributed as D
+from mini_grpo.config import load_config
+from mini_grpo.rft import generate_rft_data
+from mini_grpo.scoring import RewardScorer
+from mini_grpo.tasks import build_task, load_jsonl
+from mini_grpo.trainer import load_policy, train
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTS = {"rft_num_prompts": "12", "rft_oversample": "4", "rft_prompts_per_batch": "5",
+        "parallel_rewards": "false", "num_eval": "8"}
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    train(load_config("tiny", {"out_dir": str(out), "mode": "sft", "sft_steps": "20",
+                               "sft_lr": "3e-3", **OPTS}, env={}))
+    return out / "sft" / "step_0000020.pt"
+
+
+def setup(ckpt, **over):
+    cfg = load_config("tiny", {**OPTS, **over}, env={})
+    model, tok, _ = load_policy(str(ckpt), "cpu")
+    task = build_task(cfg)
+    prompts = list(dict.fromkeys(ex.prompt for ex in task.train))[:12]
+    examples = [ex for ex in task.train if ex.prompt in set(prompts)]
+    return cfg, model, tok, task, examples, prompts
+
+
+def test_covers_every_prompt_keeps_only_rows_above_the_threshold(sft_checkpoint, tmp_path):
+    cfg, model, tok, task, examples, prompts = setup(sft_checkpoint, rft_min_reward="0.05",
+                                                     rft_keep="all")
+    out = tmp_path / "rft.jsonl"
+    with RewardScorer.from_config(cfg, task) as scorer:
+        summary = generate_rft_data(model, tok, examples, scorer, cfg, torch.device("cpu"),
+                                    D.DistInfo(), out)
+    assert summary["prompts"] == 12 and summary["prompts_generated_now"] == 12
+    assert summary["completions_generated_now"] == 12 * 4
+    rows = [json.loads(line) for line in out.open()]
+    assert rows and all(r["reward"] >= 0.05 for r in rows)
+    assert {r["prompt"] for r in rows} <= set(prompts)
+    # rows in prompt order, each prompt's completions distinct
+    idx = [prompts.index(r["prompt"]) for r in rows]
+    assert idx == sorted(idx)
+    pairs = [(r["prompt"], r["completion"]) for r in rows]
+    assert len(pairs) == len(set(pairs))
+    for r in rows:  # the row's reward is the weighted sum of its columns (0.5 / 0.5)
+        assert r["reward"] == pytest.approx(sum(0.5 * v for v in r["rewards"].values()))
+    loaded = load_jsonl(out, tok)
+    assert len(loaded) == len(rows) and loaded[0].meta["completion"] == rows[0]["completion"]
+    assert json.loads((tmp_path / "rft.jsonl.summary.json").read_text())["rows"] == len(rows)
+    assert not list(tmp_path.glob("rft.jsonl.rank*"))  # shards merged and removed
+
+
+def test_resume_after_an_interrupted_run_loses_nothing_and_duplicates_nothing(
+        sft_checkpoint, tmp_path):
+    cfg, model, tok, task, examples, prompts = setup(sft_checkpoint, rft_min_reward="0.0")
+    out = tmp_path / "rft.jsonl"
+    with RewardScorer.from_config(cfg, task) as scorer:
+        calls = {"n": 0}
+        real = scorer.score
+
+        def dies_on_the_second_batch(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt  # as if killed during the second batch
+            return real(*a, **kw)
+
+        scorer.score = dies_on_the_second_batch
+        with pytest.raises(KeyboardInterrupt):
+            generate_rft_data(model, tok, examples, scorer, cfg, torch.device("cpu"),
+                              D.DistInfo(), out)
+        shard = Path(f"{out}.rank0")
+        first = [json.loads(line) for line in shard.open()]
+        assert len(first) == 5  # the first batch's prompts, all written
+        with open(shard, "a") as f:
+            f.write('{"prompt": "e2e4:", "targ')  # and a line torn by the kill
+        scorer.score = real
+        summary = generate_rft_data(model, tok, examples, scorer, cfg, torch.device("cpu"),
+                                    D.DistInfo(), out)
+    assert summary["prompts_generated_now"] == 12 - 5  # only what was missing
+    rows = [json.loads(line) for line in out.open()]
+    assert [r["prompt"] for r in rows] == prompts  # min_reward 0: one row per prompt, in order
+    assert rows[:5] == first  # the finished prompts kept as they were
+    assert not shard.exists()
+
+
+def test_torchrun_two_processes_cover_the_same_prompts_as_one(sft_checkpoint, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("USE_AMP", "OUT_DIR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    args = ["rft-generate", "--checkpoint", str(sft_checkpoint), "--rft_min_reward=0",
+            *(f"--{k}={v}" for k, v in OPTS.items())]
+    outs = {}
+    for n in (1, 2):
+        out = tmp_path / f"p{n}.jsonl"
+        launcher = [sys.executable] if n == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        r = subprocess.run([*launcher, "-m", "mini_grpo", *args, "--output", str(out)],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[n] = [json.loads(line)["prompt"] for line in out.open()]
+    assert len(outs[1]) == 12 and outs[1] == outs[2]  # same prompts, same (prompt) order
+
+
+def test_loader_skips_a_truncated_last_line_but_not_a_bad_middle_one(tmp_path, caplog):
+    from mini_grpo.config import ConfigError
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a:", "target": "b"}\n{"prompt": "c:", "tar')
+    assert [ex.prompt for ex in load_jsonl(p)] == ["a:"]
+    assert "truncated last line" in caplog.text
+    p.write_text('{"prompt": "a:", "tar\n{"prompt": "c:", "target": "d"}\n')
+    with pytest.raises(ConfigError, match=":1: malformed JSON"):
+        load_jsonl(p)
+
+
+def test_rft_mode_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    result = train(load_config("tiny", {"out_dir": str(out), "mode": "rft", "sft_steps": "10",
+                                        "rft_sft_steps": "5", "rft_min_reward": "0.0",
+                                        **OPTS}, env={}))
+    assert set(result) == {"before", "after", "baselines"}
+    assert (out / "rft" / "data.jsonl").is_file()
+    assert (out / "rft" / "sft" / "step_0000005.pt").is_file()
+    with pytest.raises(Exception, match="rft_min_reward"):
+        train(load_config("tiny", {"out_dir": str(tmp_path / "r2"), "mode": "rft",
+                                   "sft_steps": "2", "rft_min_reward": "2.0", **OPTS}, env={}))
