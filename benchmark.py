@@ -117,6 +117,7 @@ def bench_step(cfg, warmup: int, steps: int, task=None) -> dict:
         cfg.out_dir = tmp
         history = train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist,
                              None, comm=comm)
+    del net, trained  # DDP's reducer must not outlive the process group (abort at exit)
     D.cleanup()
     timed = history[warmup:]
     med = lambda key: statistics.median(h[key] for h in timed)

@@ -126,5 +126,8 @@ def barrier() -> None:
 
 
 def cleanup() -> None:
+    """Waits for every rank, then tears the process group down."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

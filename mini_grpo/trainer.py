@@ -417,7 +417,7 @@ def train(cfg: GRPOConfig) -> dict:
                 f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
     if logger:
         logger.close()
-    D.barrier()
+    del net, trained  # DDP's reducer must not outlive the process group (abort at exit)
     D.cleanup()
     return result
 

@@ -6,6 +6,7 @@ difference per case (loss aggregation x reward scaling x passes) as JSON to argv
 """
 
 import copy
+import gc
 import json
 import sys
 
@@ -81,8 +82,11 @@ def main(out_path: str) -> None:
                 single = copy.deepcopy(model)
                 r, rewards, ref_lp = make_batch(seed=1)
                 gradient(single, r, rewards, ref_lp, cfg, world_size=1)
-                gradient(DDP(model), take(r, half), rewards[half], ref_lp[half], cfg,
+                ddp = DDP(model)
+                gradient(ddp, take(r, half), rewards[half], ref_lp[half], cfg,
                          world_size=dist.world_size)
+                del ddp  # its reducer must not outlive the process group (abort at exit)
+                gc.collect()
                 diffs[f"{agg}/{scale}/iters{iters}"] = max(
                     (a.grad - b.grad).abs().max().item()
                     for a, b in zip(model.parameters(), single.parameters()))
