@@ -35,7 +35,7 @@ import time
 import torch
 
 from mini_grpo.config import ConfigError, load_config, parse_cli
-from mini_grpo.precision import autocast, resolve_device, setup_backends
+from mini_grpo.precision import amp_dtype, autocast, resolve_device, setup_backends
 from mini_grpo.rollout import generate
 from mini_grpo.tasks import build_task
 from mini_grpo.tokenizer import CharTokenizer
@@ -89,6 +89,50 @@ def format_generation(r: dict) -> str:
         f"  speed-up     {r['speedup_kv_vs_recompute']:>10.2f}x"])
 
 
+def matmul_peak(device, dtype, n: int = 2048, repeats: int = 10) -> float:
+    """Measured peak of this device: GFLOP/s of an n x n matmul in `dtype` (median run)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times[2:]) / 1e9
+
+
+# bf16 dense peaks (TFLOP/s, no sparsity) of GPUs we know, for MFU against the datasheet
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0,
+                         "A10G": 70.0, "L4": 121.0, "4090": 165.0}
+
+
+def model_flops(model, tokens: float, ctx: float, backward: bool = False) -> float:
+    """FLOPs of a forward (x3 with backward) over `tokens` tokens at mean context `ctx`.
+
+    Per token: 2 x (12 n_layer n_embd^2) for the block matmuls, 2 x n_embd x vocab for the LM
+    head, and 4 x n_layer x ctx x n_embd for attention (QK^T and AV); backward costs twice the
+    forward. Embedding lookups, norms and softmax are left out, as in the usual 6N count.
+    """
+    c = model.cfg
+    per_token = 2 * 12 * c.n_layer * c.n_embd**2 + 2 * c.n_embd * c.vocab_size \
+        + 4 * c.n_layer * ctx * c.n_embd
+    return per_token * tokens * (3 if backward else 1)
+
+
+def peak_memory(device) -> dict:
+    import resource
+
+    out = {"rss_peak_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        out["cuda_allocated_peak_MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["cuda_reserved_peak_MiB"] = torch.cuda.max_memory_reserved(device) / 2**20
+    return out
+
+
 def bench_step(cfg, warmup: int, steps: int, task=None) -> dict:
     """Real GRPO steps through the trainer; works alone or as one rank under torchrun."""
     import tempfile
@@ -134,6 +178,29 @@ def bench_step(cfg, warmup: int, steps: int, task=None) -> dict:
                                                    for h in timed),
            "is_main": dist.is_main}
     out["phase_share"] = {p: v / out["step_s"]["median"] for p, v in out["phase_s"].items()}
+    # MFU: model FLOPs (real tokens only) over the peak measured here in the dtype in use
+    dtype = amp_dtype(cfg, device) or torch.float32
+    peak = matmul_peak(device, dtype)
+    gen_tok = med("completion_len/mean") * cfg.prompts_per_step * cfg.group_size
+    train_tok = med("tokens/train")
+    ctx = train_tok / (cfg.prompts_per_step * cfg.group_size) / 2  # mean causal context
+    flops = {"generate": model_flops(model, gen_tok, ctx),
+             "reference": model_flops(model, train_tok, ctx) if cfg.beta else 0.0,
+             "policy": model_flops(model, train_tok, ctx, backward=True) * cfg.num_iterations}
+    achieved = {k: v / out["phase_s"][k] / 1e9 if out["phase_s"][k] else 0.0
+                for k, v in flops.items()}
+    out["mfu"] = {"peak_gflops_measured": peak, "dtype": str(dtype).replace("torch.", ""),
+                  "achieved_gflops": achieved,
+                  "mfu_policy": achieved["policy"] / peak,
+                  "mfu_step": sum(flops.values()) / out["step_s"]["median"] / 1e9 / peak}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        sheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
+        if sheet:
+            out["mfu"]["mfu_step_vs_datasheet_bf16"] = \
+                sum(flops.values()) / out["step_s"]["median"] / 1e12 / sheet
+    out["tokens_pushed_over_real"] = med("tokens/processed") / train_tok
+    out["memory"] = peak_memory(device)
     return out
 
 
@@ -187,6 +254,15 @@ def format_step(r: dict) -> str:
              f"  trained        {r['train_tokens_per_s']:.0f} tok/s (prompt + completion)"]
     for p, v in r["phase_s"].items():
         lines.append(f"  {p:<14} {v:.3f}s  {100 * r['phase_share'][p]:5.1f}%")
+    m = r["mfu"]
+    lines += [f"  matmul peak    {m['peak_gflops_measured']:.0f} GFLOP/s ({m['dtype']}, "
+              f"measured now)",
+              f"  MFU            policy fwd+bwd {100 * m['mfu_policy']:.1f}%, whole step "
+              f"{100 * m['mfu_step']:.1f}% (achieved GFLOP/s: " + ", ".join(
+                  f"{k} {v:.0f}" for k, v in m["achieved_gflops"].items()) + ")",
+              f"  tokens pushed through the policy / real tokens: "
+              f"{r['tokens_pushed_over_real']:.2f}",
+              "  memory         " + ", ".join(f"{k} {v:.0f}" for k, v in r["memory"].items())]
     return "\n".join(lines)
 
 
@@ -266,6 +342,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     threads = setup_backends(cfg)
+    if resolve_device(cfg).type == "cpu" and cfg.prompts_per_step * cfg.group_size > 128:
+        # a GPU-sized batch would take minutes per step here: keep the model, cut the batch
+        cfg.prompts_per_step = max(1, 64 // cfg.group_size)
+        cfg.compile_model = False
+        print(f"[bench] CPU: {args.config} assumes GPUs; running it scaled down to "
+              f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions per step, "
+              f"compile off (the model size is kept)", file=sys.stderr, flush=True)
     result = {"config": args.config, "machine": platform.processor() or platform.machine(),
               "threads": threads, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d")}

@@ -99,13 +99,14 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
     num_seqs / num_tokens are the global batch's (all-reduced under DDP), so the gradients
     summed over micro-batches and ranks are those of one process holding the whole batch; DDP
     averages over ranks, hence the factor world_size. All micro-batches but the last skip
-    DDP's gradient all-reduce (no_sync). Returns the summed loss and token-weighted stats:
-    (loss, kl, clip_low, clip_high, ratio, entropy) x tokens, for the caller to reduce.
+    DDP's gradient all-reduce (no_sync). Returns the summed loss, token-weighted stats and
+    the tokens pushed through the model (padding included): (loss, kl, clip_low, clip_high,
+    ratio, entropy) x tokens, pushed; for the caller to reduce.
     """
     device = r.completion_ids.device
     mbs = [slice(i, i + cfg.micro_batch_size)
            for i in range(0, r.completion_ids.size(0), cfg.micro_batch_size)]
-    acc = torch.zeros(6, device=device)
+    acc = torch.zeros(7, device=device)
     for j, s in enumerate(mbs):
         pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s], r.completion_ids[s],
                                    cmask[s])
@@ -123,8 +124,9 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
             scaled = loss * world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         k = cm.sum()
+        pushed = torch.tensor(float(cids.size(0) * (pids.size(1) + n - 1)), device=device)
         acc += torch.stack([loss.detach(), st["kl"] * k, st["clip_low"] * k, st["clip_high"] * k,
-                            st["ratio"] * k, st["entropy"] * k])
+                            st["ratio"] * k, st["entropy"] * k, pushed])
     return acc
 
 
@@ -227,7 +229,8 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps) * lr_scale
         set_lr(opt, lr)
         model.train()
-        acc = torch.zeros(6, device=device)  # loss, kl, clip_low, clip_high, ratio, entropy
+        # loss, kl, clip_low, clip_high, ratio, entropy (x tokens), tokens through the model
+        acc = torch.zeros(7, device=device)
         for _ in range(cfg.num_iterations):
             part = accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
                                         W, scaler)
@@ -287,9 +290,10 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
              "loss": red[0].item() / iters, "kl": (red[1] / tok_total).item(),
              "clip_low": (red[2] / tok_total).item(), "clip_high": (red[3] / tok_total).item(),
              "ratio": (red[4] / tok_total).item(), "entropy": (red[5] / tok_total).item(),
-             "completion_len/mean": (red[6] / sums[0]).item(), "completion_len/max": max_len.item(),
-             "zero_spread_frac": (red[7] / red[8]).item(), "grad_norm": gnorm.item(), "lr": lr,
-             "tokens_per_s": (red[6] / dt).item(), "guard/skipped": guard.skipped,
+             "completion_len/mean": (red[7] / sums[0]).item(), "completion_len/max": max_len.item(),
+             "zero_spread_frac": (red[8] / red[9]).item(), "grad_norm": gnorm.item(), "lr": lr,
+             "tokens_per_s": (red[7] / dt).item(), "guard/skipped": guard.skipped,
+             "tokens/processed": red[6].item() / iters,  # incl. padding, per policy pass
              "guard/rungs_used": guard.next_rung}
         m.update({f"time/{k}": v for k, v in times.items()})
         m["time/step"] = dt

@@ -113,3 +113,11 @@ def test_train_sh_help_lists_every_environment_variable():
     for var in ["NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CONFIG",
                 *ENV_VARS]:
         assert f"{var}=" in r.stdout, var
+
+
+def test_every_shipped_config_loads_and_opens_with_its_launch_command():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(str(path), env={})
+        assert cfg.out_dir.startswith("runs/"), path
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("#") and path.stem in first, path
