@@ -58,7 +58,7 @@ def _checkpoint_config(path: str, overrides: list[str]):
     state = load_checkpoint(path)
     base = GRPOConfig(**state["config"]).to_dict()
     base.update(parse_cli(overrides)[1])
-    return state, load_config(None, {k: v for k, v in base.items()}, env={})
+    return state, load_config(None, base, env={})
 
 
 def evaluate_main(argv: list[str]) -> int:

@@ -33,14 +33,12 @@ class DistInfo:
 
 
 def init(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistInfo:
-    if "RANK" not in os.environ or dist.is_initialized():
-        if dist.is_initialized():
-            return DistInfo(dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)),
-                            dist.get_world_size(),
-                            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if "RANK" not in os.environ:
         return DistInfo()
     info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)),
                     int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if dist.is_initialized():  # a second init in the same process (e.g. benchmark sections)
+        return info
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     if use_cuda:
         torch.cuda.set_device(info.local_rank)

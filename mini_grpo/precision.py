@@ -27,13 +27,16 @@ def _cpu_has_bf16() -> bool:
 
 
 def amp_dtype(cfg: GRPOConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype in force, or None for fp32. `auto` prefers bf16 where the hardware
-    has it, falls back to fp16 on CUDA, and to fp32 on CPUs without bf16 units."""
-    if not cfg.use_amp:
-        return None
-    if cfg.amp_dtype == "bfloat16":
+    """The autocast dtype in force, or None for fp32."""
+    return _dtype(cfg.amp_dtype, device) if cfg.use_amp else None
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """`auto` prefers bf16 where the hardware has it, falls back to fp16 on CUDA, and to fp32
+    (None) on CPUs without bf16 units."""
+    if name == "bfloat16":
         return torch.bfloat16
-    if cfg.amp_dtype == "float16":
+    if name == "float16":
         return torch.float16
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -44,10 +47,8 @@ def autocast(cfg: GRPOConfig, device: torch.device, generation: bool = False):
     """Context manager for forward passes: autocast when AMP is on, else a no-op.
     `generation=True` marks sampling, which follows `generation_amp`."""
     dtype = amp_dtype(cfg, device)
-    if generation and cfg.generation_amp == "off":
-        dtype = None
-    elif generation and cfg.generation_amp == "on" and dtype is None:
-        dtype = amp_dtype(GRPOConfig(use_amp=True, amp_dtype=cfg.amp_dtype), device)
+    if generation and cfg.generation_amp != "auto":
+        dtype = _dtype(cfg.amp_dtype, device) if cfg.generation_amp == "on" else None
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

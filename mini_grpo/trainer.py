@@ -46,7 +46,7 @@ from .precision import (
     setup_backends,
 )
 from .reference import Reference
-from .rft import _read_rows, generate_rft_data
+from .rft import generate_rft_data
 from .rollout import sample
 from .scoring import RewardScorer
 from .sft import train_sft
@@ -83,6 +83,10 @@ def _trim(pids, pmask, cids, cmask):
     return pids[:, first:], pmask[:, first:], cids[:, :last], cmask[:, :last]
 
 
+def _micro_batches(n: int, size: int) -> list[slice]:
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
 def _policy_logprobs(net, pids, pmask, cids, cmask, temperature):
     """Forward over prompt + completion; (logp, entropy) of the completion tokens, (b, n)."""
     seq = torch.cat([pids, cids], 1)[:, :-1]
@@ -104,8 +108,7 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
     ratio, entropy) x tokens, pushed; for the caller to reduce.
     """
     device = r.completion_ids.device
-    mbs = [slice(i, i + cfg.micro_batch_size)
-           for i in range(0, r.completion_ids.size(0), cfg.micro_batch_size)]
+    mbs = _micro_batches(r.completion_ids.size(0), cfg.micro_batch_size)
     acc = torch.zeros(7, device=device)
     for j, s in enumerate(mbs):
         pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s], r.completion_ids[s],
@@ -212,11 +215,9 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
 
         # ---- reference log-probs (beta = 0 skips the reference entirely)
         t0 = time.perf_counter()
-        mbs = [slice(i, i + cfg.micro_batch_size)
-               for i in range(0, len(rows), cfg.micro_batch_size)]
         ref_lp = torch.zeros_like(r.logprobs)
         if cfg.beta != 0:
-            for s in mbs:
+            for s in _micro_batches(len(rows), cfg.micro_batch_size):
                 pids, pm, cids, cm = _trim(r.prompt_ids[s], r.prompt_mask[s],
                                            r.completion_ids[s], cmask[s])
                 with autocast(cfg, device):
@@ -436,11 +437,12 @@ def run_rft(cfg, task, tok, model, net, scorer, device, dist: D.DistInfo, logger
     examples = [ex for ex in task.train if ex.prompt in keep]
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
     generate_rft_data(model, tok, examples, scorer, cfg, device, dist, data)
-    rows = _read_rows(data)
-    if not rows:
+    try:
+        accepted = load_jsonl(data)
+    except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"
         raise ConfigError(f"rft_min_reward: no completion of {len(keep)} prompts reached "
-                          f"{cfg.rft_min_reward}; lower it or train the SFT stage longer")
-    accepted = load_jsonl(data)
+                          f"{cfg.rft_min_reward}; lower it or train the SFT stage longer"
+                          ) from None
     train_sft(cfg, task, tok, model, device, dist, logger, ddp_model=net, examples=accepted,
               steps=cfg.rft_sft_steps, lr=cfg.rft_lr, directory=data.parent / "sft", tag="rft")
 
