@@ -342,6 +342,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     threads = setup_backends(cfg)
+    if cfg.num_train > 20000 and not (cfg.data_path or cfg.pgn_path):
+        # timing needs a few batches of prompts, not the 500k games a long run trains on
+        # (generating those takes minutes): the prompts drawn differ, the work per step not
+        cfg.num_train = 20000
     if resolve_device(cfg).type == "cpu" and cfg.prompts_per_step * cfg.group_size > 128:
         # a GPU-sized batch would take minutes per step here: keep the model, cut the batch
         cfg.prompts_per_step = max(1, 64 // cfg.group_size)

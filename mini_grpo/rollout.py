@@ -132,18 +132,36 @@ def sample(model: GPT, tokenizer: CharTokenizer, prompts: list[str], max_new_tok
     return r
 
 
+def pack(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Removes each row's left padding, for a training or scoring pass over the rows.
+
+    Row i's real tokens (p_i prompt tokens, then n_i completion tokens: the mask's count) are
+    moved to columns 0.. so the batch is right-padded, and plain causal attention over it is
+    exact: no real token sees a pad, and positions are the column indices, as in `generate`.
+    Returns (seq (B, L), index (B, N)): the L = max(p_i + n_i) - 1 input columns (the last
+    token is never an input), and for each completion slot t the column whose logits predict
+    it (p_i - 1 + t, clamped to L - 1 where masked). The columns pushed are max(p + n) - 1
+    instead of max(p) + max(n) - 1: the left pads of short prompts are gone.
+    """
+    B, P = prompt_ids.shape
+    N = completion_ids.size(1)
+    p = prompt_mask.sum(1)  # (B,) prompts are right-aligned: row i's start at P - p_i
+    L = max(1, int((p + completion_mask.sum(1)).max()) - 1)  # one host sync per call
+    cols = torch.arange(L, device=p.device)[None] + (P - p)[:, None]
+    seq = torch.cat([prompt_ids, completion_ids], 1).gather(1, cols.clamp(max=P + N - 1))
+    index = (p[:, None] - 1 + torch.arange(N, device=p.device)[None]).clamp(max=L - 1)
+    return seq, index
+
+
 def completion_logprobs(model: GPT, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature: float = 1.0) -> torch.Tensor:
     """Log-probs of the completion tokens in one full forward pass: (B, N) fp32, 0 where masked.
 
-    This is the pass the trainer uses; its positions and mask match `generate` exactly.
+    This is the reference's pass (the trainer's adds the entropy); each token's position and
+    visible context equal those of `generate`, so the log-probs match the recorded ones.
     """
-    P = prompt_ids.size(1)
-    seq = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + N)
-    valid = torch.cat([prompt_mask, completion_mask], dim=1)
-    S = seq.size(1)
-    logits = model(seq[:, :-1], positions(valid)[:, :-1], attention_mask(valid[:, :-1], S - 1),
-                   logits_from=P - 1)  # (B, N, V): position P-1+t predicts completion token t
+    seq, index = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits = model(seq, logits_index=index)  # (B, N, V)
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     lp = logp.gather(-1, completion_ids[..., None]).squeeze(-1)
     return lp.masked_fill(~completion_mask, 0.0)

@@ -1,6 +1,8 @@
 """Precision and speed switches: each one on and off gives a working tiny run."""
 
 import json
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -109,3 +111,34 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
         wrapped(idx)
     assert len(rec) == 1
     torch.testing.assert_close(out, model(idx))
+
+
+_MALLINFO = r"""
+import ctypes, sys, torch
+from mini_grpo.precision import keep_freed_memory
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+took = keep_freed_memory() if sys.argv[1] == "on" else False
+x = torch.ones(16 * 2**20)  # 64 MiB: glibc maps blocks this big from the OS by default
+info = libc.mallinfo2()
+print(took, info.hblkhd >= 64 * 2**20)  # bytes in blocks mapped from the OS
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_cpu_malloc_cache_serves_big_tensors_from_the_heap():
+    def run(mode):
+        r = subprocess.run([sys.executable, "-c", _MALLINFO, mode], capture_output=True,
+                           text=True, timeout=120)
+        if "mallinfo2" in r.stderr:
+            pytest.skip("glibc without mallinfo2")
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+    # default glibc: the 64 MiB tensor is its own mapping (page faults on every fresh one)
+    assert run("off") == ["False", "True"]
+    # kept: it comes from the heap, which freed blocks go back to for the next allocation
+    assert run("on") == ["True", "False"]

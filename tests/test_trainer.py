@@ -119,3 +119,29 @@ def test_sft_then_grpo_under_bf16_autocast_runs_and_lowers_the_sft_loss(tmp_path
     sft_loss = [r["sft/loss"] for r in rows if "sft/loss" in r]
     assert len(sft_loss) == 30 and sft_loss[-1] < 0.8 * sft_loss[0]
     assert any("reward/mean" in r for r in rows)
+
+
+def test_micro_batch_plan_sorts_by_length():
+    from mini_grpo.trainer import plan_micro_batches
+
+    lengths = [30, 100, 31, 98, 60, 101, 29, 62, 99, 61, 30, 100]
+    plan = plan_micro_batches(lengths, size=4)
+    assert [len(b) for b in plan] == [4, 4, 4]
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))  # each row once
+    # slicing in order would push 3 x 4 x 101 = 1212 columns for these 801 real ones
+    assert [sorted(lengths[i] for i in b) for b in plan] == [
+        [29, 30, 30, 31], [60, 61, 62, 98], [99, 100, 100, 101]]
+    assert plan_micro_batches([5, 3, 4], size=2) == [[1, 2], [0]]
+
+
+def test_row_batches_skip_rows_without_tokens_but_keep_one():
+    from mini_grpo.rollout import Rollout
+    from mini_grpo.trainer import row_batches
+
+    pmask = torch.ones(4, 3, dtype=torch.bool)
+    cmask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    r = Rollout(torch.zeros(4, 3, dtype=torch.long), pmask, torch.zeros(4, 3, dtype=torch.long),
+                cmask, torch.zeros(4, 3), torch.ones(4, dtype=torch.bool))
+    assert [b.tolist() for b in row_batches(r, cmask, 8)] == [[0, 2]]
+    none = torch.zeros_like(cmask)
+    assert [b.tolist() for b in row_batches(r, none, 8)] == [[0]]
