@@ -83,7 +83,7 @@ class GRPOConfig:
     max_steps: int = 150  # ~2.1 s per step on 2 CPU cores with the default model
     prompts_per_step: int = 16  # global batch of prompts; each gets group_size completions
     group_size: int = 8  # G completions per prompt
-    micro_batch_size: int = 32  # sequences per forward/backward
+    micro_batch_size: int = 32  # rows per forward/backward, in whole groups (at least one)
     num_iterations: int = 1  # policy passes per rollout
     lr: float = 3e-5  # 1e-4 drove KL to ~0.2 and left the greedy reward flat
     weight_decay: float = 0.0

@@ -64,6 +64,18 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
+@dataclass
+class SharedPrefix:
+    """Layout of a shared-prefix pass (GPT.forward with `prefix=`): U prompts of P columns,
+    each the prompt of G consecutive rows, whose m completion input tokens follow."""
+    U: int
+    P: int
+    G: int
+    m: int
+    mask_p: torch.Tensor  # (U, 1, P, P) prompt tokens: causal, pad keys hidden
+    mask_c: torch.Tensor  # (B, 1, m, P + m) completion tokens: own prompt + causal
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -74,33 +86,60 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, mask=None, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, mask=None, cache: KVCache | None = None, layer: int = 0,
+                shared: SharedPrefix | None = None):
+        if shared is not None:
+            return self._forward_shared(x, shared)
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nh, S, hs)
-        p = self.dropout if self.training else 0.0
         if mask is None:
             if cache is not None and cache.len > 0:
                 raise ValueError("incremental decoding needs an attention mask")
-            S = k.size(2)
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            if not self.manual:
+                mask = "causal"
+            else:
+                S = k.size(2)
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         # with a cache (sampling) always SDPA: it reads the cache's strided slice in place,
         # where a bf16 matmul on a CPU first copies it (1.9 vs 0.8 ms a layer at batch 128)
-        if self.manual and cache is None:
-            # scale q, not the (T, S) scores, and mask in place: each pass over the scores
-            # costs as much as the matmul that made them on a CPU
-            att = (q * (1.0 / math.sqrt(k.size(-1)))) @ k.transpose(-2, -1)  # (B, nh, T, S)
-            att = att.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
-            y = F.dropout(att, p) @ v if p else att @ v
-        elif mask.dim() == 2 and cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = self._attend(q, k, v, mask, self.manual and cache is None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.c_proj(y))
+
+    def _attend(self, q, k, v, mask, manual: bool):
+        """softmax(q k^T / sqrt(hs)) v over the keys `mask` allows (bool, True = attend, or
+        "causal"); manual = matmul, softmax, matmul, else SDPA."""
+        p = self.dropout if self.training else 0.0
+        if not manual:
+            if isinstance(mask, str):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        # scale q, not the (T, S) scores, and mask in place: each pass over the scores costs
+        # as much as the matmul that made them on a CPU
+        att = (q * (1.0 / math.sqrt(k.size(-1)))) @ k.transpose(-2, -1)  # (B, nh, T, S)
+        att = att.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+        return F.dropout(att, p) @ v if p else att @ v
+
+    def _forward_shared(self, x, s: SharedPrefix):
+        """x (U*P + B*m, C): the U prompts' tokens, then the B completions' input tokens."""
+        C, nh = x.size(-1), self.n_head
+        qkv = self.c_attn(x)
+        n_p = s.U * s.P
+        qp, kp, vp = qkv[:n_p].view(s.U, s.P, 3, nh, C // nh).permute(2, 0, 3, 1, 4)
+        y = [self._attend(qp, kp, vp, s.mask_p, self.manual).transpose(1, 2).reshape(n_p, C)]
+        if s.m:
+            B = s.U * s.G
+            qc, kc, vc = qkv[n_p:].view(B, s.m, 3, nh, C // nh).permute(2, 0, 3, 1, 4)
+            # each completion sees its prompt's keys (computed once per group) and its own
+            k = torch.cat([kp.repeat_interleave(s.G, 0), kc], 2)  # (B, nh, P + m, hs)
+            v = torch.cat([vp.repeat_interleave(s.G, 0), vc], 2)
+            y.append(self._attend(qc, k, v, s.mask_c, self.manual).transpose(1, 2)
+                     .reshape(B * s.m, C))
+        return self.resid_drop(self.c_proj(torch.cat(y)))
 
 
 class MLP(nn.Module):
@@ -122,8 +161,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, mask=None, cache=None, layer=0):
-        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+    def forward(self, x, mask=None, cache=None, layer=0, shared=None):
+        x = x + self.attn(self.ln_1(x), mask, cache, layer, shared)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -182,14 +221,20 @@ class GPT(nn.Module):
                        self.wte.weight.device, dtype or self.wte.weight.dtype)
 
     def forward(self, idx, pos=None, mask=None, cache: KVCache | None = None,
-                logits_from: int = 0, logits_index: torch.Tensor | None = None):
+                logits_from: int = 0, logits_index: torch.Tensor | None = None,
+                prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
         """idx (B, T) -> logits (B, T - logits_from, V), or (B, K, V) with `logits_index`.
 
         `logits_from` skips the LM head for positions whose logits nobody needs (the prompt);
         `logits_index` (B, K) long picks, per row, the K positions whose logits are wanted.
+        With `prefix=(prompt_ids, prompt_mask)` (U, P) left-padded, idx is instead (B, N)
+        completions, G = B / U consecutive rows per prompt, and the logits are those that
+        predict each completion token (see forward_shared).
         With a cache, keys/values are appended to it and it advances by T. Positions must stay
         below block_size; callers check lengths up front (a check here would sync every token).
         """
+        if prefix is not None:
+            return self.forward_shared(*prefix, idx)
         B, T = idx.shape
         if pos is None:
             start = cache.len if cache is not None else 0
@@ -209,3 +254,36 @@ class GPT(nn.Module):
             x = x[:, logits_from:]
         x = self.ln_f(x)
         return self.lm_head(x)  # (B, T', V)
+
+    def forward_shared(self, prompt_ids, prompt_mask, completion_ids):
+        """Logits (B, N, V) predicting each of the B completions' N tokens, where rows
+        g*G .. g*G+G-1 share prompt g of the U left-padded prompts (B = U * G).
+
+        Each prompt goes through the model once, not G times: its keys and values serve all
+        G completions. Token positions and what each token sees equal those of `generate` and
+        of a full pass over prompt + completion, so the log-probs are the same up to float
+        rounding; only the work differs (U*P + B*(N-1) token positions instead of B*(P+N-1)).
+        """
+        (U, P), (B, N) = prompt_ids.shape, completion_ids.shape
+        if B % U:
+            raise ValueError(f"{B} completions do not split into groups over {U} prompts")
+        G, m, dev = B // U, N - 1, prompt_ids.device
+        plen = prompt_mask.sum(1).repeat_interleave(G)  # (B,)
+        own = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+        s = SharedPrefix(U, P, G, m, attention_mask(prompt_mask, P), torch.cat([
+            prompt_mask.repeat_interleave(G, 0)[:, None, None, :].expand(B, 1, m, P),
+            own[None, None].expand(B, 1, m, m)], -1))
+        pos_c = plen[:, None] + torch.arange(m, device=dev)[None]  # (B, m)
+        x = torch.cat([(self.wte(prompt_ids) + self.wpe(positions(prompt_mask))).flatten(0, 1),
+                       (self.wte(completion_ids[:, :m]) + self.wpe(pos_c)).flatten(0, 1)])
+        x = self.drop(x)
+        ckpt = self.gradient_checkpointing and self.training
+        for block in self.blocks:
+            if ckpt:
+                x = checkpoint(block, x, None, None, 0, s, use_reentrant=False)
+            else:
+                x = block(x, shared=s)
+        # completion token 0 is predicted at the prompt's last column, token t at input t-1
+        last = x[:U * P].view(U, P, -1)[:, -1].repeat_interleave(G, 0)[:, None]  # (B, 1, C)
+        x = torch.cat([last, x[U * P:].view(B, m, -1)], 1)  # (B, N, C)
+        return self.lm_head(self.ln_f(x))

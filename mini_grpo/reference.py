@@ -44,9 +44,10 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                 temperature: float = 1.0) -> torch.Tensor:
-        """(B, N) fp32 log-probs of the completion tokens under the reference policy."""
-        args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+                 temperature: float = 1.0, group: int = 1) -> torch.Tensor:
+        """(B, N) fp32 log-probs of the completion tokens under the reference policy
+        (`group`: see rollout.completion_logprobs)."""
+        args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, group)
         if not self.offload:
             return completion_logprobs(self.model, *args)
         state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}

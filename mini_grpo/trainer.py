@@ -47,7 +47,7 @@ from .precision import (
 )
 from .reference import Reference
 from .rft import generate_rft_data
-from .rollout import pack, sample
+from .rollout import sample
 from .scoring import RewardScorer
 from .sft import train_sft
 from .tasks import build_task, load_jsonl
@@ -89,34 +89,38 @@ def plan_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def row_batches(r, cmask: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """The rows a training or reference pass pushes through the model, as index tensors of
-    length-sorted micro-batches (plan_micro_batches over prompt + completion lengths).
+def row_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[torch.Tensor]:
+    """The rows a training or reference pass pushes through the model: index tensors of
+    micro-batches of whole groups (`group` consecutive rows share a prompt, which the pass
+    computes once), size // group groups each, sorted by their longest completion (then
+    prompt) so that each micro-batch holds little padding.
 
-    Rows with no token in `cmask` (left out by dynamic sampling) carry no loss and are
-    skipped, but one row is always kept so every rank runs a backward (DDP's all-reduce).
+    Groups with no token in `cmask` (left out by dynamic sampling) carry no loss and are
+    skipped, but one is always kept so every rank runs a backward (DDP's all-reduce).
     """
-    n = cmask.sum(1)
-    lengths = (r.prompt_mask.sum(1) + n).tolist()
-    live = [i for i, k in enumerate(n.tolist()) if k] or [0]
-    plan = plan_micro_batches([lengths[i] for i in live], size)
-    return [torch.tensor([live[j] for j in b], device=cmask.device) for b in plan]
+    n = cmask.sum(1).view(-1, group).amax(1).tolist()  # (U,) longest completion per group
+    p = r.prompt_mask[::group].sum(1).tolist()
+    live = [u for u, k in enumerate(n) if k] or [0]
+    plan = plan_micro_batches([(n[u], p[u]) for u in live], max(1, size // group))
+    span = torch.arange(group, device=cmask.device)
+    return [torch.cat([live[j] * group + span for j in b]) for b in plan]
 
 
-def _take(r, cmask, rows):
-    """One micro-batch: (prompt ids, prompt mask, completion ids, completion mask), with the
-    completion columns cut to its longest real completion."""
+def _take(r, cmask, rows, group):
+    """One micro-batch: (its groups' prompts (U, P), their masks, completion ids (B, n),
+    completion mask), cut to the columns that hold a real token in some row."""
     cm = cmask[rows]
     n = max(1, int(cm.sum(1).max()))
-    return r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows, :n], cm[:, :n]
+    pids, pm = r.prompt_ids[rows[::group]], r.prompt_mask[rows[::group]]
+    first = int(pm.any(0).int().argmax())  # prompts are left-padded
+    return pids[:, first:], pm[:, first:], r.completion_ids[rows, :n], cm[:, :n]
 
 
-def _policy_logprobs(net, pids, pm, cids, cm, temperature):
-    """Forward over the packed rows (rollout.pack): (logp, entropy) of the completion tokens,
-    (b, n), and the number of token positions pushed through the model."""
-    seq, index = pack(pids, pm, cids, cm)
-    logp, ent = token_logprobs(net(seq, logits_index=index), cids, temperature)
-    return logp, ent, seq.numel()
+def _policy_logprobs(net, pids, pm, cids, temperature):
+    """Forward with each prompt computed once for its group (GPT.forward_shared): (logp,
+    entropy) of the completion tokens (B, n), and the token positions pushed."""
+    logp, ent = token_logprobs(net(cids, prefix=(pids, pm)), cids, temperature)
+    return logp, ent, pids.numel() + cids.size(0) * (cids.size(1) - 1)
 
 
 def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
@@ -126,22 +130,24 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
     num_seqs / num_tokens are the global batch's (all-reduced under DDP), so the gradients
     summed over micro-batches and ranks are those of one process holding the whole batch; DDP
     averages over ranks, hence the factor world_size. All micro-batches but the last skip
-    DDP's gradient all-reduce (no_sync). `batches` is row_batches(r, cmask, ...), computed
-    here when not given. Returns the summed loss, token-weighted stats and the tokens pushed
-    through the model (padding included): (loss, kl, clip_low, clip_high, ratio, entropy) x
-    tokens, pushed; for the caller to reduce.
+    DDP's gradient all-reduce (no_sync). `batches` is row_batches(...), computed here when not
+    given. Returns the summed loss, token-weighted stats, the token positions pushed through
+    the model (padding included) and the real ones among them (each prompt once per group):
+    (loss, kl, clip_low, clip_high, ratio, entropy) x tokens, pushed, real; for the caller
+    to reduce.
     """
     device = r.completion_ids.device
+    G = cfg.group_size
     if batches is None:
-        batches = row_batches(r, cmask, cfg.micro_batch_size)
-    acc = torch.zeros(7, device=device)
+        batches = row_batches(r, cmask, cfg.micro_batch_size, G)
+    acc = torch.zeros(8, device=device)
     for j, rows in enumerate(batches):
-        pids, pm, cids, cm = _take(r, cmask, rows)
+        pids, pm, cids, cm = _take(r, cmask, rows, G)
         n = cids.size(1)
         last = j == len(batches) - 1
         with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
             with autocast(cfg, device):
-                logp, ent, pushed = _policy_logprobs(net, pids, pm, cids, cm, cfg.temperature)
+                logp, ent, pushed = _policy_logprobs(net, pids, pm, cids, cfg.temperature)
             # one pass: old = current (ratio 1); more: old = the log-probs recorded at sampling
             old = logp.detach() if cfg.num_iterations == 1 else r.logprobs[rows, :n]
             loss, st = grpo_loss(logp, old, adv[rows], cm, ref_logp=ref_lp[rows, :n],
@@ -152,9 +158,10 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
             scaled = loss * world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         k = cm.sum()
+        real = pm.sum() + (cm.sum(1) - 1).clamp(min=0).sum()
         acc += torch.stack([loss.detach(), st["kl"] * k, st["clip_low"] * k, st["clip_high"] * k,
                             st["ratio"] * k, st["entropy"] * k,
-                            torch.tensor(float(pushed), device=device)])
+                            torch.tensor(float(pushed), device=device), real.float()])
     return acc
 
 
@@ -240,14 +247,14 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
 
         # ---- reference log-probs (beta = 0 skips the reference entirely)
         t0 = time.perf_counter()
-        batches = row_batches(r, cmask, cfg.micro_batch_size)  # length-sorted, for both
+        batches = row_batches(r, cmask, cfg.micro_batch_size, G)  # for both passes
         ref_lp = torch.zeros_like(r.logprobs)
         if cfg.beta != 0:
             for rows in batches:
-                pids, pm, cids, cm = _take(r, cmask, rows)
+                pids, pm, cids, cm = _take(r, cmask, rows, G)
                 with autocast(cfg, device):
                     ref_lp[rows, :cids.size(1)] = reference.logprobs(pids, pm, cids, cm,
-                                                                     cfg.temperature)
+                                                                     cfg.temperature, G)
         times["reference"] = time.perf_counter() - t0
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
@@ -255,8 +262,8 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps) * lr_scale
         set_lr(opt, lr)
         model.train()
-        # loss, kl, clip_low, clip_high, ratio, entropy (x tokens), tokens through the model
-        acc = torch.zeros(7, device=device)
+        # loss, kl, clip_low, clip_high, ratio, entropy (x tokens), tokens pushed, real
+        acc = torch.zeros(8, device=device)
         for _ in range(cfg.num_iterations):
             part = accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
                                         W, scaler, batches)
@@ -316,10 +323,12 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
              "loss": red[0].item() / iters, "kl": (red[1] / tok_total).item(),
              "clip_low": (red[2] / tok_total).item(), "clip_high": (red[3] / tok_total).item(),
              "ratio": (red[4] / tok_total).item(), "entropy": (red[5] / tok_total).item(),
-             "completion_len/mean": (red[7] / sums[0]).item(), "completion_len/max": max_len.item(),
-             "zero_spread_frac": (red[8] / red[9]).item(), "grad_norm": gnorm.item(), "lr": lr,
-             "tokens_per_s": (red[7] / dt).item(), "guard/skipped": guard.skipped,
-             "tokens/processed": red[6].item() / iters,  # incl. padding, per policy pass
+             "completion_len/mean": (red[8] / sums[0]).item(), "completion_len/max": max_len.item(),
+             "zero_spread_frac": (red[9] / red[10]).item(), "grad_norm": gnorm.item(), "lr": lr,
+             "tokens_per_s": (red[8] / dt).item(), "guard/skipped": guard.skipped,
+             # per policy pass: token positions through the model (padding included), and
+             # the real tokens among them (each prompt counted once per group)
+             "tokens/processed": red[6].item() / iters, "tokens/unique": red[7].item() / iters,
              "guard/rungs_used": guard.next_rung}
         m.update({f"time/{k}": v for k, v in times.items()})
         m["time/step"] = dt

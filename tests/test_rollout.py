@@ -129,3 +129,27 @@ def test_pack_removes_left_padding():
     # max(p + n) - 1 = 5 columns, where the padded layout pushes max(p) + max(n) - 1 = 8
     assert seq.tolist() == [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12]]
     assert index.tolist() == [[4, 4, 4, 4], [1, 2, 3, 4]]  # masked slots clamp to the last
+
+
+def test_shared_prompt_pass_equals_the_full_pass_with_gradients():
+    """Each prompt computed once per group (GPT.forward_shared) gives the full pass's
+    log-probs and parameter gradients, with either attention implementation."""
+    m = tiny_gpt().train()
+    boost_eos(m, 2.5)  # rows end at different steps
+    G = 3
+    rows = [p for p in PROMPTS for _ in range(G)]
+    r = generate(m, rows, 10, EOS, PAD, generator=torch.Generator().manual_seed(1))
+    assert r.completion_mask.sum(1).unique().numel() > 1  # ragged completions
+    for impl in ("sdpa", "manual"):
+        m.attn_impl = impl
+        grads = []
+        for group in (1, G):
+            m.zero_grad()
+            k = slice(None, None, group)
+            lp = completion_logprobs(m, r.prompt_ids[k], r.prompt_mask[k], r.completion_ids,
+                                     r.completion_mask, group=group)
+            (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

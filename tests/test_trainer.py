@@ -134,14 +134,17 @@ def test_micro_batch_plan_sorts_by_length():
     assert plan_micro_batches([5, 3, 4], size=2) == [[1, 2], [0]]
 
 
-def test_row_batches_skip_rows_without_tokens_but_keep_one():
+def test_row_batches_take_whole_groups_and_skip_empty_ones():
     from mini_grpo.rollout import Rollout
     from mini_grpo.trainer import row_batches
 
-    pmask = torch.ones(4, 3, dtype=torch.bool)
-    cmask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
-    r = Rollout(torch.zeros(4, 3, dtype=torch.long), pmask, torch.zeros(4, 3, dtype=torch.long),
-                cmask, torch.zeros(4, 3), torch.ones(4, dtype=torch.bool))
-    assert [b.tolist() for b in row_batches(r, cmask, 8)] == [[0, 2]]
+    # 4 groups of 2 rows; group 1 left out (no tokens), group 3 has the longest completion
+    pmask = torch.ones(8, 3, dtype=torch.bool)
+    lengths = torch.tensor([2, 1, 0, 0, 1, 1, 3, 2])
+    cmask = torch.arange(3)[None] < lengths[:, None]
+    r = Rollout(torch.zeros(8, 3, dtype=torch.long), pmask, torch.zeros(8, 3, dtype=torch.long),
+                cmask, torch.zeros(8, 3), torch.ones(8, dtype=torch.bool))
+    assert [b.tolist() for b in row_batches(r, cmask, 4, 2)] == [[4, 5, 0, 1], [6, 7]]
+    assert [b.tolist() for b in row_batches(r, cmask, 3, 2)] == [[4, 5], [0, 1], [6, 7]]
     none = torch.zeros_like(cmask)
-    assert [b.tolist() for b in row_batches(r, none, 8)] == [[0]]
+    assert [b.tolist() for b in row_batches(r, none, 4, 2)] == [[0, 1]]
