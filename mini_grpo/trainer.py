@@ -264,9 +264,11 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
         model.train()
         # loss, kl, clip_low, clip_high, ratio, entropy (x tokens), tokens pushed, real
         acc = torch.zeros(8, device=device)
+        t_opt = 0.0  # clipping + optimizer step, within the policy update
         for _ in range(cfg.num_iterations):
             part = accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
                                         W, scaler, batches)
+            t1 = time.perf_counter()
             if _nan_injected(step, dist):  # test hook: poison this rank's loss and gradient
                 part[0] = float("nan")
                 next(model.parameters()).grad.fill_(float("nan"))
@@ -279,6 +281,7 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
+                t_opt += time.perf_counter() - t1
                 continue
             opt.zero_grad(set_to_none=True)  # skip the step, on every rank alike
             if scaler.is_enabled():
@@ -309,7 +312,8 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
                                  f"{cfg.out_dir}/metrics.jsonl")
             if what and logger:
                 logger.event(step, f"fallback after {cfg.guard_patience} skipped steps: {what}")
-        times["policy"] = time.perf_counter() - t0
+        times["policy"] = time.perf_counter() - t0  # forward + backward + optimizer
+        times["optimizer"] = t_opt
         dt = time.perf_counter() - t_step
 
         # ---- metrics, reduced over ranks
