@@ -97,7 +97,7 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, eos_id: 
     amp = torch.is_autocast_enabled(device.type)
     cache_dtype = torch.get_autocast_dtype(device.type) if amp else None
     cache = model.new_cache(B, P + N, dtype=cache_dtype) if use_cache else None
-    logits = model(ids, all_pos[:, :P], attention_mask(pmask, P), cache, logits_from=P - 1)
+    logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)
     steps = 0
     for t in range(N):
         tok, lp = _pick(logits[:, -1].float(), temperature, top_k, top_p, greedy, generator)
@@ -121,6 +121,25 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, eos_id: 
     model.train(was_training)
     return Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps],
                    done.clone())
+
+
+def _prefill(model: GPT, prompts, ids, pmask, pos, cache, pad_id):
+    """The prompts' forward pass: fills the cache, returns the logits of each row's last
+    prompt token (B, 1, V). Rows that repeat a prompt (a GRPO group, RFT's oversampling) are
+    computed once and their keys/values copied: 16 prompts x 8 rows cost 16 rows of work."""
+    P = ids.size(1)
+    slot: dict[tuple, int] = {}
+    inv = [slot.setdefault(tuple(p), len(slot)) for p in prompts]
+    if cache is None or len(slot) == len(prompts):
+        return model(ids, pos, attention_mask(pmask, P), cache, logits_from=P - 1)
+    u_ids, u_mask = pad_left([list(p) for p in slot], pad_id, ids.device)  # same width P
+    part = model.new_cache(len(slot), P, dtype=cache.k.dtype)
+    logits = model(u_ids, positions(u_mask), attention_mask(u_mask, P), part, logits_from=P - 1)
+    rows = torch.tensor(inv, device=ids.device)
+    cache.k[:, :, :, :P] = part.k[:, rows]
+    cache.v[:, :, :, :P] = part.v[:, rows]
+    cache.len = P
+    return logits[rows]
 
 
 def sample(model: GPT, tokenizer: CharTokenizer, prompts: list[str], max_new_tokens: int,

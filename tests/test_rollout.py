@@ -153,3 +153,22 @@ def test_shared_prompt_pass_equals_the_full_pass_with_gradients():
             torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_repeated_prompts_are_prefilled_once_with_the_same_result():
+    m = tiny_gpt()
+    calls = []
+    m.wte.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape))
+    rows = [p for p in PROMPTS for _ in range(4)]  # groups of 4, as GRPO samples them
+    r = generate(m, rows, 12, EOS, PAD, generator=torch.Generator().manual_seed(2))
+    assert calls[0] == (len(PROMPTS), 7)  # the prefill saw the 3 distinct prompts only
+    lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask)
+    torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
+    g = generate(m, rows, 12, EOS, PAD, greedy=True)
+    for i in range(0, len(rows), 4):  # one prompt, one greedy answer
+        assert all(torch.equal(g.completion_ids[i], g.completion_ids[i + j]) for j in range(4))
+    alone = generate(m, PROMPTS, 12, EOS, PAD, greedy=True)
+    for i in range(len(PROMPTS)):
+        n = int(alone.completion_mask[i].sum())
+        assert g.completion_ids[4 * i, :n].tolist() == alone.completion_ids[i, :n].tolist()
