@@ -339,9 +339,11 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
     ap.add_argument("--only",
                     choices=["generation", "rewards", "step", "scaling", "ablations"])
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None,
+                    help="generation batch (default 64; 16 for a GPU config on a CPU)")
     ap.add_argument("--new-tokens", type=int, default=72)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="generation runs (default 5; 2 for a GPU config on a CPU)")
     ap.add_argument("--reward-rows", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=2, help="untimed GRPO steps")
     ap.add_argument("--steps", type=int, default=5, help="timed GRPO steps")
@@ -365,9 +367,13 @@ def main(argv=None) -> int:
         # a GPU-sized batch would take minutes per step here: keep the model, cut the batch
         cfg.prompts_per_step = max(1, 64 // cfg.group_size)
         cfg.compile_model = False
+        # full recompute of a large model takes ~1 minute per batch-64 run here
+        args.batch, args.repeats = args.batch or 16, args.repeats or 2
         print(f"[bench] CPU: {args.config} assumes GPUs; running it scaled down to "
               f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions per step, "
-              f"compile off (the model size is kept)", file=sys.stderr, flush=True)
+              f"compile off, generation batch {args.batch} x {args.repeats} runs (the model "
+              f"size is kept)", file=sys.stderr, flush=True)
+    args.batch, args.repeats = args.batch or 64, args.repeats or 5
     result = {"config": args.config, "machine": platform.processor() or platform.machine(),
               "threads": threads, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d")}
