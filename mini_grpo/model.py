@@ -67,11 +67,12 @@ class KVCache:
 @dataclass
 class SharedPrefix:
     """Layout of a shared-prefix pass (GPT.forward with `prefix=`): U prompts of P columns,
-    each the prompt of G consecutive rows, whose m completion input tokens follow."""
+    then B completions of m input tokens each; row i's prompt is prompts[index[i]]."""
     U: int
     P: int
-    G: int
+    B: int
     m: int
+    index: torch.Tensor  # (B,) long: each row's prompt
     mask_p: torch.Tensor  # (U, 1, P, P) prompt tokens: causal, pad keys hidden
     mask_c: torch.Tensor  # (B, 1, m, P + m) completion tokens: own prompt + causal
 
@@ -132,13 +133,12 @@ class CausalSelfAttention(nn.Module):
         qp, kp, vp = qkv[:n_p].view(s.U, s.P, 3, nh, C // nh).permute(2, 0, 3, 1, 4)
         y = [self._attend(qp, kp, vp, s.mask_p, self.manual).transpose(1, 2).reshape(n_p, C)]
         if s.m:
-            B = s.U * s.G
-            qc, kc, vc = qkv[n_p:].view(B, s.m, 3, nh, C // nh).permute(2, 0, 3, 1, 4)
-            # each completion sees its prompt's keys (computed once per group) and its own
-            k = torch.cat([kp.repeat_interleave(s.G, 0), kc], 2)  # (B, nh, P + m, hs)
-            v = torch.cat([vp.repeat_interleave(s.G, 0), vc], 2)
+            qc, kc, vc = qkv[n_p:].view(s.B, s.m, 3, nh, C // nh).permute(2, 0, 3, 1, 4)
+            # each completion sees its prompt's keys (computed once) and its own
+            k = torch.cat([kp[s.index], kc], 2)  # (B, nh, P + m, hs)
+            v = torch.cat([vp[s.index], vc], 2)
             y.append(self._attend(qc, k, v, s.mask_c, self.manual).transpose(1, 2)
-                     .reshape(B * s.m, C))
+                     .reshape(s.B * s.m, C))
         return self.resid_drop(self.c_proj(torch.cat(y)))
 
 
@@ -222,14 +222,14 @@ class GPT(nn.Module):
 
     def forward(self, idx, pos=None, mask=None, cache: KVCache | None = None,
                 logits_from: int = 0, logits_index: torch.Tensor | None = None,
-                prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
+                prefix: tuple[torch.Tensor, ...] | None = None):
         """idx (B, T) -> logits (B, T - logits_from, V), or (B, K, V) with `logits_index`.
 
         `logits_from` skips the LM head for positions whose logits nobody needs (the prompt);
         `logits_index` (B, K) long picks, per row, the K positions whose logits are wanted.
-        With `prefix=(prompt_ids, prompt_mask)` (U, P) left-padded, idx is instead (B, N)
-        completions, G = B / U consecutive rows per prompt, and the logits are those that
-        predict each completion token (see forward_shared).
+        With `prefix=(prompt_ids, prompt_mask, prompt_index)`, (U, P) left-padded prompts and
+        each row's prompt (B,), idx is instead (B, N) completions, and the logits are those
+        that predict each completion token (see forward_shared).
         With a cache, keys/values are appended to it and it advances by T. Positions must stay
         below block_size; callers check lengths up front (a check here would sync every token).
         """
@@ -255,25 +255,23 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         return self.lm_head(x)  # (B, T', V)
 
-    def forward_shared(self, prompt_ids, prompt_mask, completion_ids):
-        """Logits (B, N, V) predicting each of the B completions' N tokens, where rows
-        g*G .. g*G+G-1 share prompt g of the U left-padded prompts (B = U * G).
+    def forward_shared(self, prompt_ids, prompt_mask, prompt_index, completion_ids):
+        """Logits (B, N, V) predicting each of the B completions' N tokens, where row i is a
+        completion of prompt `prompt_index[i]` of the U left-padded prompts.
 
-        Each prompt goes through the model once, not G times: its keys and values serve all
-        G completions. Token positions and what each token sees equal those of `generate` and
-        of a full pass over prompt + completion, so the log-probs are the same up to float
-        rounding; only the work differs (U*P + B*(N-1) token positions instead of B*(P+N-1)).
+        Each prompt goes through the model once, however many rows share it: its keys and
+        values serve all of them. Token positions and what each token sees equal those of
+        `generate` and of a full pass over prompt + completion, so the log-probs are the same
+        up to float rounding; only the work differs (U*P + B*(N-1) token positions instead
+        of B*(P+N-1)).
         """
         (U, P), (B, N) = prompt_ids.shape, completion_ids.shape
-        if B % U:
-            raise ValueError(f"{B} completions do not split into groups over {U} prompts")
-        G, m, dev = B // U, N - 1, prompt_ids.device
-        plen = prompt_mask.sum(1).repeat_interleave(G)  # (B,)
+        m, dev = N - 1, prompt_ids.device
         own = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-        s = SharedPrefix(U, P, G, m, attention_mask(prompt_mask, P), torch.cat([
-            prompt_mask.repeat_interleave(G, 0)[:, None, None, :].expand(B, 1, m, P),
+        s = SharedPrefix(U, P, B, m, prompt_index, attention_mask(prompt_mask, P), torch.cat([
+            prompt_mask[prompt_index][:, None, None, :].expand(B, 1, m, P),
             own[None, None].expand(B, 1, m, m)], -1))
-        pos_c = plen[:, None] + torch.arange(m, device=dev)[None]  # (B, m)
+        pos_c = prompt_mask.sum(1)[prompt_index][:, None] + torch.arange(m, device=dev)[None]
         x = torch.cat([(self.wte(prompt_ids) + self.wpe(positions(prompt_mask))).flatten(0, 1),
                        (self.wte(completion_ids[:, :m]) + self.wpe(pos_c)).flatten(0, 1)])
         x = self.drop(x)
@@ -284,6 +282,6 @@ class GPT(nn.Module):
             else:
                 x = block(x, shared=s)
         # completion token 0 is predicted at the prompt's last column, token t at input t-1
-        last = x[:U * P].view(U, P, -1)[:, -1].repeat_interleave(G, 0)[:, None]  # (B, 1, C)
+        last = x[:U * P].view(U, P, -1)[:, -1][prompt_index][:, None]  # (B, 1, C)
         x = torch.cat([last, x[U * P:].view(B, m, -1)], 1)  # (B, N, C)
         return self.lm_head(self.ln_f(x))

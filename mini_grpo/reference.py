@@ -44,10 +44,11 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                 temperature: float = 1.0, group: int = 1) -> torch.Tensor:
+                 temperature: float = 1.0, prompt_index=None) -> torch.Tensor:
         """(B, N) fp32 log-probs of the completion tokens under the reference policy
-        (`group`: see rollout.completion_logprobs)."""
-        args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, group)
+        (`prompt_index`: see rollout.completion_logprobs)."""
+        args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                prompt_index)
         if not self.offload:
             return completion_logprobs(self.model, *args)
         state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}

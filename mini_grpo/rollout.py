@@ -173,17 +173,16 @@ def pack(prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 
 def completion_logprobs(model: GPT, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, group: int = 1) -> torch.Tensor:
+                        temperature: float = 1.0, prompt_index=None) -> torch.Tensor:
     """Log-probs of the completion tokens in one full forward pass: (B, N) fp32, 0 where masked.
 
     This is the reference's pass (the trainer's adds the entropy); each token's position and
     visible context equal those of `generate`, so the log-probs match the recorded ones.
-    With `group` > 1, rows come in groups of that many completions of one prompt, and
-    prompt_ids / prompt_mask hold one row per group: each prompt is computed once
-    (GPT.forward_shared).
+    With `prompt_index` (B,), prompt_ids / prompt_mask hold the distinct prompts and row i
+    completes prompt prompt_index[i]: each prompt is computed once (GPT.forward_shared).
     """
-    if group > 1:
-        logits = model(completion_ids, prefix=(prompt_ids, prompt_mask))  # (B, N, V)
+    if prompt_index is not None:
+        logits = model(completion_ids, prefix=(prompt_ids, prompt_mask, prompt_index))
     else:
         seq, index = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
         logits = model(seq, logits_index=index)  # (B, N, V)

@@ -90,36 +90,52 @@ def plan_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
 
 
 def row_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[torch.Tensor]:
-    """The rows a training or reference pass pushes through the model: index tensors of
-    micro-batches of whole groups (`group` consecutive rows share a prompt, which the pass
-    computes once), size // group groups each, sorted by their longest completion (then
-    prompt) so that each micro-batch holds little padding.
+    """The rows a training or reference pass pushes through the model, as index tensors of
+    micro-batches; each micro-batch computes the prompts of its rows once (`_take`).
 
-    Groups with no token in `cmask` (left out by dynamic sampling) carry no loss and are
-    skipped, but one is always kept so every rank runs a backward (DDP's all-reduce).
+    Two plans, and the one that pushes fewer token positions wins: whole groups (`group`
+    consecutive rows share a prompt) sorted by their longest completion, size // group groups
+    each, so every prompt is computed once; or rows sorted by completion length, `size`
+    each, which pads less where completions of one prompt differ widely (a random-init
+    policy, reasoning traces) at the price of a prompt computed in more than one
+    micro-batch. Rows with no token in `cmask` (left out by dynamic sampling) carry no loss
+    and are skipped, but one is always kept so every rank runs a backward (DDP's all-reduce).
     """
-    n = cmask.sum(1).view(-1, group).amax(1).tolist()  # (U,) longest completion per group
-    p = r.prompt_mask[::group].sum(1).tolist()
-    live = [u for u, k in enumerate(n) if k] or [0]
-    plan = plan_micro_batches([(n[u], p[u]) for u in live], max(1, size // group))
-    span = torch.arange(group, device=cmask.device)
-    return [torch.cat([live[j] * group + span for j in b]) for b in plan]
+    n = cmask.sum(1).tolist()
+    p = r.prompt_mask.sum(1).tolist()
+    live = [i for i, k in enumerate(n) if k] or [0]
+    groups: dict[int, list[int]] = {}
+    for i in live:
+        groups.setdefault(i // group, []).append(i)
+    members = list(groups.values())
+    by_group = [[i for g in b for i in members[g]] for b in plan_micro_batches(
+        [(max(n[i] for i in rows), p[rows[0]]) for rows in members], max(1, size // group))]
+    by_row = [[live[j] for j in b]
+              for b in plan_micro_batches([(n[i], i // group) for i in live], size)]
+
+    def pushed(plan):
+        return sum(len({i // group for i in b}) * max(p[i] for i in b)
+                   + len(b) * (max(n[i] for i in b) - 1) for b in plan)
+
+    best = min((by_group, by_row), key=pushed)  # ties: whole groups
+    return [torch.tensor(b, device=cmask.device) for b in best]
 
 
 def _take(r, cmask, rows, group):
-    """One micro-batch: (its groups' prompts (U, P), their masks, completion ids (B, n),
-    completion mask), cut to the columns that hold a real token in some row."""
+    """One micro-batch: (its distinct prompts (U, P), their masks, each row's prompt (b,),
+    completion ids (b, n), completion mask), cut to the columns that hold a real token."""
     cm = cmask[rows]
     n = max(1, int(cm.sum(1).max()))
-    pids, pm = r.prompt_ids[rows[::group]], r.prompt_mask[rows[::group]]
+    groups, index = torch.unique(rows // group, return_inverse=True)
+    pids, pm = r.prompt_ids[groups * group], r.prompt_mask[groups * group]
     first = int(pm.any(0).int().argmax())  # prompts are left-padded
-    return pids[:, first:], pm[:, first:], r.completion_ids[rows, :n], cm[:, :n]
+    return pids[:, first:], pm[:, first:], index, r.completion_ids[rows, :n], cm[:, :n]
 
 
-def _policy_logprobs(net, pids, pm, cids, temperature):
-    """Forward with each prompt computed once for its group (GPT.forward_shared): (logp,
-    entropy) of the completion tokens (B, n), and the token positions pushed."""
-    logp, ent = token_logprobs(net(cids, prefix=(pids, pm)), cids, temperature)
+def _policy_logprobs(net, pids, pm, index, cids, temperature):
+    """Forward with each prompt computed once (GPT.forward_shared): (logp, entropy) of the
+    completion tokens (b, n), and the token positions pushed."""
+    logp, ent = token_logprobs(net(cids, prefix=(pids, pm, index)), cids, temperature)
     return logp, ent, pids.numel() + cids.size(0) * (cids.size(1) - 1)
 
 
@@ -142,12 +158,13 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
         batches = row_batches(r, cmask, cfg.micro_batch_size, G)
     acc = torch.zeros(8, device=device)
     for j, rows in enumerate(batches):
-        pids, pm, cids, cm = _take(r, cmask, rows, G)
+        pids, pm, index, cids, cm = _take(r, cmask, rows, G)
         n = cids.size(1)
         last = j == len(batches) - 1
         with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
             with autocast(cfg, device):
-                logp, ent, pushed = _policy_logprobs(net, pids, pm, cids, cfg.temperature)
+                logp, ent, pushed = _policy_logprobs(net, pids, pm, index, cids,
+                                                     cfg.temperature)
             # one pass: old = current (ratio 1); more: old = the log-probs recorded at sampling
             old = logp.detach() if cfg.num_iterations == 1 else r.logprobs[rows, :n]
             loss, st = grpo_loss(logp, old, adv[rows], cm, ref_logp=ref_lp[rows, :n],
@@ -251,10 +268,10 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
         ref_lp = torch.zeros_like(r.logprobs)
         if cfg.beta != 0:
             for rows in batches:
-                pids, pm, cids, cm = _take(r, cmask, rows, G)
+                pids, pm, index, cids, cm = _take(r, cmask, rows, G)
                 with autocast(cfg, device):
                     ref_lp[rows, :cids.size(1)] = reference.logprobs(pids, pm, cids, cm,
-                                                                     cfg.temperature, G)
+                                                                     cfg.temperature, index)
         times["reference"] = time.perf_counter() - t0
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches

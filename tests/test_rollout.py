@@ -132,27 +132,40 @@ def test_pack_removes_left_padding():
 
 
 def test_shared_prompt_pass_equals_the_full_pass_with_gradients():
-    """Each prompt computed once per group (GPT.forward_shared) gives the full pass's
-    log-probs and parameter gradients, with either attention implementation."""
+    """Each prompt computed once (GPT.forward_shared) gives the full pass's log-probs and
+    parameter gradients, with either attention implementation, for rows in groups and for
+    rows in any order."""
     m = tiny_gpt().train()
     boost_eos(m, 2.5)  # rows end at different steps
     G = 3
     rows = [p for p in PROMPTS for _ in range(G)]
     r = generate(m, rows, 10, EOS, PAD, generator=torch.Generator().manual_seed(1))
     assert r.completion_mask.sum(1).unique().numel() > 1  # ragged completions
+    groups = torch.arange(len(PROMPTS)).repeat_interleave(G)
+    order = torch.tensor([4, 0, 8, 1, 5])  # a subset of rows, out of order
     for impl in ("sdpa", "manual"):
         m.attn_impl = impl
         grads = []
-        for group in (1, G):
+        for shared in (False, True):
             m.zero_grad()
-            k = slice(None, None, group)
-            lp = completion_logprobs(m, r.prompt_ids[k], r.prompt_mask[k], r.completion_ids,
-                                     r.completion_mask, group=group)
+            if shared:
+                lp = completion_logprobs(m, r.prompt_ids[::G], r.prompt_mask[::G],
+                                         r.completion_ids, r.completion_mask,
+                                         prompt_index=groups)
+            else:
+                lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                         r.completion_mask)
             (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
             grads.append([p.grad.clone() for p in m.parameters()])
             torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        # rows of two prompts (1 and 2 of the three), given in any order
+        used = groups[order].unique()
+        lp = completion_logprobs(m, r.prompt_ids[used * G], r.prompt_mask[used * G],
+                                 r.completion_ids[order], r.completion_mask[order],
+                                 prompt_index=torch.searchsorted(used, groups[order]))
+        torch.testing.assert_close(lp, r.logprobs[order], rtol=0, atol=1e-5)
 
 
 def test_repeated_prompts_are_prefilled_once_with_the_same_result():

@@ -134,17 +134,25 @@ def test_micro_batch_plan_sorts_by_length():
     assert plan_micro_batches([5, 3, 4], size=2) == [[1, 2], [0]]
 
 
-def test_row_batches_take_whole_groups_and_skip_empty_ones():
+def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
     from mini_grpo.rollout import Rollout
     from mini_grpo.trainer import row_batches
 
-    # 4 groups of 2 rows; group 1 left out (no tokens), group 3 has the longest completion
-    pmask = torch.ones(8, 3, dtype=torch.bool)
-    lengths = torch.tensor([2, 1, 0, 0, 1, 1, 3, 2])
-    cmask = torch.arange(3)[None] < lengths[:, None]
-    r = Rollout(torch.zeros(8, 3, dtype=torch.long), pmask, torch.zeros(8, 3, dtype=torch.long),
-                cmask, torch.zeros(8, 3), torch.ones(8, dtype=torch.bool))
+    def rollout(lengths, plen=3):
+        B = len(lengths)
+        cmask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+        return Rollout(torch.zeros(B, plen, dtype=torch.long),
+                       torch.ones(B, plen, dtype=torch.bool),
+                       torch.zeros_like(cmask, dtype=torch.long), cmask,
+                       torch.zeros(cmask.shape), torch.ones(B, dtype=torch.bool)), cmask
+
+    # 4 groups of 2 rows whose completions are alike: whole groups, every prompt once;
+    # group 1 is left out (no tokens), group 3 has the longest completions
+    r, cmask = rollout([2, 2, 0, 0, 1, 1, 3, 3])
     assert [b.tolist() for b in row_batches(r, cmask, 4, 2)] == [[4, 5, 0, 1], [6, 7]]
     assert [b.tolist() for b in row_batches(r, cmask, 3, 2)] == [[4, 5], [0, 1], [6, 7]]
-    none = torch.zeros_like(cmask)
-    assert [b.tolist() for b in row_batches(r, none, 4, 2)] == [[0, 1]]
+    assert [b.tolist() for b in row_batches(r, torch.zeros_like(cmask), 4, 2)] == [[0]]
+    # one long completion in each group: sorting rows by length pads far less, even though
+    # each micro-batch then computes both prompts
+    r, cmask = rollout([1, 20, 2, 19, 1, 21, 2, 20])
+    assert [b.tolist() for b in row_batches(r, cmask, 4, 2)] == [[0, 4, 2, 6], [3, 1, 7, 5]]
