@@ -221,12 +221,10 @@ class GPT(nn.Module):
                        self.wte.weight.device, dtype or self.wte.weight.dtype)
 
     def forward(self, idx, pos=None, mask=None, cache: KVCache | None = None,
-                logits_from: int = 0, logits_index: torch.Tensor | None = None,
-                prefix: tuple[torch.Tensor, ...] | None = None):
-        """idx (B, T) -> logits (B, T - logits_from, V), or (B, K, V) with `logits_index`.
+                logits_from: int = 0, prefix: tuple[torch.Tensor, ...] | None = None):
+        """idx (B, T) -> logits (B, T - logits_from, V).
 
-        `logits_from` skips the LM head for positions whose logits nobody needs (the prompt);
-        `logits_index` (B, K) long picks, per row, the K positions whose logits are wanted.
+        `logits_from` skips the LM head for positions whose logits nobody needs (the prompt).
         With `prefix=(prompt_ids, prompt_mask, prompt_index)`, (U, P) left-padded prompts and
         each row's prompt (B,), idx is instead (B, N) completions, and the logits are those
         that predict each completion token (see forward_shared).
@@ -248,11 +246,7 @@ class GPT(nn.Module):
                 x = block(x, mask, cache, i)
         if cache is not None:
             cache.len += T
-        if logits_index is not None:
-            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.size(-1)))
-        else:
-            x = x[:, logits_from:]
-        x = self.ln_f(x)
+        x = self.ln_f(x[:, logits_from:])
         return self.lm_head(x)  # (B, T', V)
 
     def forward_shared(self, prompt_ids, prompt_mask, prompt_index, completion_ids):

@@ -151,27 +151,6 @@ def sample(model: GPT, tokenizer: CharTokenizer, prompts: list[str], max_new_tok
     return r
 
 
-def pack(prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Removes each row's left padding, for a training or scoring pass over the rows.
-
-    Row i's real tokens (p_i prompt tokens, then n_i completion tokens: the mask's count) are
-    moved to columns 0.. so the batch is right-padded, and plain causal attention over it is
-    exact: no real token sees a pad, and positions are the column indices, as in `generate`.
-    Returns (seq (B, L), index (B, N)): the L = max(p_i + n_i) - 1 input columns (the last
-    token is never an input), and for each completion slot t the column whose logits predict
-    it (p_i - 1 + t, clamped to L - 1 where masked). The columns pushed are max(p + n) - 1
-    instead of max(p) + max(n) - 1: the left pads of short prompts are gone.
-    """
-    B, P = prompt_ids.shape
-    N = completion_ids.size(1)
-    p = prompt_mask.sum(1)  # (B,) prompts are right-aligned: row i's start at P - p_i
-    L = max(1, int((p + completion_mask.sum(1)).max()) - 1)  # one host sync per call
-    cols = torch.arange(L, device=p.device)[None] + (P - p)[:, None]
-    seq = torch.cat([prompt_ids, completion_ids], 1).gather(1, cols.clamp(max=P + N - 1))
-    index = (p[:, None] - 1 + torch.arange(N, device=p.device)[None]).clamp(max=L - 1)
-    return seq, index
-
-
 def completion_logprobs(model: GPT, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature: float = 1.0, prompt_index=None) -> torch.Tensor:
     """Log-probs of the completion tokens in one full forward pass: (B, N) fp32, 0 where masked.
@@ -179,13 +158,12 @@ def completion_logprobs(model: GPT, prompt_ids, prompt_mask, completion_ids, com
     This is the reference's pass (the trainer's adds the entropy); each token's position and
     visible context equal those of `generate`, so the log-probs match the recorded ones.
     With `prompt_index` (B,), prompt_ids / prompt_mask hold the distinct prompts and row i
-    completes prompt prompt_index[i]: each prompt is computed once (GPT.forward_shared).
+    completes prompt prompt_index[i]: each prompt is computed once (GPT.forward_shared);
+    without, row i has prompt i.
     """
-    if prompt_index is not None:
-        logits = model(completion_ids, prefix=(prompt_ids, prompt_mask, prompt_index))
-    else:
-        seq, index = pack(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logits = model(seq, logits_index=index)  # (B, N, V)
+    if prompt_index is None:
+        prompt_index = torch.arange(completion_ids.size(0), device=completion_ids.device)
+    logits = model(completion_ids, prefix=(prompt_ids, prompt_mask, prompt_index))  # (B, N, V)
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     lp = logp.gather(-1, completion_ids[..., None]).squeeze(-1)
     return lp.masked_fill(~completion_mask, 0.0)

@@ -103,7 +103,7 @@ def test_sample_decodes_text_without_eos():
 
 
 def test_packed_pass_equals_each_row_alone():
-    """pack() drops the left padding; each row's log-probs must be those it gets alone."""
+    """Left padding and cut-short rows: each row's log-probs must be those it gets alone."""
     m = tiny_gpt()
     g = torch.Generator().manual_seed(4)
     r = generate(m, PROMPTS * 2, 12, EOS, PAD, generator=g)
@@ -117,18 +117,6 @@ def test_packed_pass_equals_each_row_alone():
         want = logp.gather(-1, alone[0, len(prompt):, None]).squeeze(-1)
         torch.testing.assert_close(lp[i, :n], want, rtol=0, atol=1e-5)
         assert lp[i, n:].eq(0).all()
-
-
-def test_pack_removes_left_padding():
-    from mini_grpo.rollout import pack, pad_left
-
-    pids, pmask = pad_left([[1, 5, 6, 7, 8], [1, 9]], PAD)
-    cids = torch.tensor([[EOS, PAD, PAD, PAD], [10, 11, 12, EOS]])
-    cmask = torch.tensor([[True, False, False, False], [True] * 4])
-    seq, index = pack(pids, pmask, cids, cmask)
-    # max(p + n) - 1 = 5 columns, where the padded layout pushes max(p) + max(n) - 1 = 8
-    assert seq.tolist() == [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12]]
-    assert index.tolist() == [[4, 4, 4, 4], [1, 2, 3, 4]]  # masked slots clamp to the last
 
 
 def test_shared_prompt_pass_equals_the_full_pass_with_gradients():
