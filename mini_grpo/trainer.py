@@ -89,6 +89,13 @@ def plan_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
+def micro_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[tuple]:
+    """row_batches, each taken (`_take`) once for the reference and every policy pass:
+    (rows, prompts, prompt mask, prompt index, completion ids, completion mask)."""
+    return [(rows, *_take(r, cmask, rows, group))
+            for rows in row_batches(r, cmask, size, group)]
+
+
 def row_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[torch.Tensor]:
     """The rows a training or reference pass pushes through the model, as index tensors of
     micro-batches; each micro-batch computes the prompts of its rows once (`_take`).
@@ -146,8 +153,8 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
     num_seqs / num_tokens are the global batch's (all-reduced under DDP), so the gradients
     summed over micro-batches and ranks are those of one process holding the whole batch; DDP
     averages over ranks, hence the factor world_size. All micro-batches but the last skip
-    DDP's gradient all-reduce (no_sync). `batches` is row_batches(...), computed here when not
-    given. Returns the summed loss, token-weighted stats, the token positions pushed through
+    DDP's gradient all-reduce (no_sync). `batches` is micro_batches(...), computed here when
+    not given. Returns the summed loss, token-weighted stats, the token positions pushed through
     the model (padding included) and the real ones among them (each prompt once per group):
     (loss, kl, clip_low, clip_high, ratio, entropy) x tokens, pushed, real; for the caller
     to reduce.
@@ -155,10 +162,9 @@ def accumulate_gradients(net, r, cmask, adv, ref_lp, cfg, num_seqs, num_tokens,
     device = r.completion_ids.device
     G = cfg.group_size
     if batches is None:
-        batches = row_batches(r, cmask, cfg.micro_batch_size, G)
+        batches = micro_batches(r, cmask, cfg.micro_batch_size, G)
     acc = torch.zeros(8, device=device)
-    for j, rows in enumerate(batches):
-        pids, pm, index, cids, cm = _take(r, cmask, rows, G)
+    for j, (rows, pids, pm, index, cids, cm) in enumerate(batches):
         n = cids.size(1)
         last = j == len(batches) - 1
         with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
@@ -264,11 +270,10 @@ def train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist: D.Di
 
         # ---- reference log-probs (beta = 0 skips the reference entirely)
         t0 = time.perf_counter()
-        batches = row_batches(r, cmask, cfg.micro_batch_size, G)  # for both passes
+        batches = micro_batches(r, cmask, cfg.micro_batch_size, G)  # for both passes
         ref_lp = torch.zeros_like(r.logprobs)
         if cfg.beta != 0:
-            for rows in batches:
-                pids, pm, index, cids, cm = _take(r, cmask, rows, G)
+            for rows, pids, pm, index, cids, cm in batches:
                 with autocast(cfg, device):
                     ref_lp[rows, :cids.size(1)] = reference.logprobs(pids, pm, cids, cm,
                                                                      cfg.temperature, index)
