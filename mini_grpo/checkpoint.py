@@ -1,13 +1,19 @@
-"""Checkpoints: atomic save, newest-valid resume, retention. Loaded with weights_only=True.
+"""Checkpoints: atomic, durable save; newest-valid resume; retention. Loaded weights_only=True.
 
 A checkpoint is one `step_NNNNNNN.pt` file holding plain tensors and Python values: model and
 optimizer state, step, RNG states, the resolved config and the tokenizer's alphabet. It is
-written to a temporary file, flushed to disk and renamed, so a kill mid-write never leaves a
-broken newest checkpoint; a file that still fails to load is skipped with a warning.
+written to `.step_NNNNNNN.pt.tmp<pid>`, flushed and fsynced, renamed over the final name, and
+the directory is fsynced so the rename survives a power cut; a kill mid-write therefore never
+leaves a broken newest checkpoint, and a file that still fails to load is skipped with a warning.
+A failed write (disk full, I/O error) removes its temp file, leaves older checkpoints alone and
+raises CheckpointWriteError with one line; temps left by killed writers are removed by
+clean_stale_temps (the trainer calls it at start) and by every save into that directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import warnings
@@ -17,10 +23,15 @@ from typing import Any
 import torch
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+_TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint the user named cannot be used (exit code 2)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, I/O error); older ones are untouched."""
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
@@ -28,17 +39,86 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
     """Writes state atomically as directory/step_<step>.pt; keeps the newest `keep` (0 = all)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(directory)  # before writing: a full disk may need the room
     path = directory / f"step_{step:07d}.pt"
     tmp = directory / f".{path.name}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
+            raise
+        raise CheckpointWriteError(f"cannot write checkpoint {path}: {_reason(e)}") from e
     if keep > 0:
         for old in list_checkpoints(directory)[:-keep]:
             old.unlink(missing_ok=True)
     return path
+
+
+def clean_stale_temps(directory: str | Path) -> list[Path]:
+    """Removes `.step_*.pt.tmp<pid>` files whose writer is gone (or is this process, which
+    writes one checkpoint at a time); returns them. pids are this host's, so only one job,
+    on one host, should write into a directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for p in directory.iterdir():
+        m = _TEMP.match(p.name)
+        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+            with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` may still be writing; when unsure, yes."""
+    if os.name != "posix":  # os.kill(pid, 0) would terminate the process on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # EPERM: another user's process; a pid out of range
+        pass
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes a rename inside `directory` durable; skipped where a directory cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: this file system cannot sync directories
+            raise
+    finally:
+        os.close(fd)
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a failed write; torch.save hides the OSError of a full disk in the
+    context of a RuntimeError('[enforce fail at inline_container.cc ...] unexpected pos')."""
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return "disk full"
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

@@ -1,0 +1,231 @@
+import errno
+import io
+import os
+import stat
+
+import pytest
+import torch
+
+from mini_grpo import checkpoint as C
+from mini_grpo.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    clean_stale_temps,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+REAL_SAVE = torch.save
+
+
+def state(step):
+    return {"model": {"w": torch.full((2, 2), float(step))}, "step": step}
+
+
+def dead_pid():
+    """A pid no process holds (pids above the kernel's pid_max are never handed out)."""
+    pid = 2**22 + 12345
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid
+
+
+def temps(d):
+    return sorted(p.name for p in d.iterdir() if ".tmp" in p.name)
+
+
+# ---- what already worked
+
+def test_save_load_roundtrip_atomic(tmp_path, monkeypatch):
+    final = tmp_path / "step_0000003.pt"
+
+    def save(obj, f):  # the bytes go to a temporary file, renamed once complete
+        assert not final.exists() and f.name != str(final)
+        REAL_SAVE(obj, f)
+
+    monkeypatch.setattr(C.torch, "save", save)
+    assert save_checkpoint(state(3), tmp_path, 3) == final
+    assert torch.equal(load_checkpoint(final)["model"]["w"], torch.full((2, 2), 3.0))
+    assert temps(tmp_path) == []
+
+
+def test_keep_leaves_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(state(step), tmp_path, step, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003.pt", "step_0000004.pt"]
+
+
+def test_latest_skips_truncated_newest(tmp_path):
+    save_checkpoint(state(1), tmp_path, 1)
+    newest = save_checkpoint(state(2), tmp_path, 2)
+    newest.write_bytes(newest.read_bytes()[:40])
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        path, st = latest_checkpoint(tmp_path)
+    assert path.name == "step_0000001.pt" and st["step"] == 1
+
+
+class Payload:
+    pass
+
+
+def test_load_refuses_non_allowlisted_pickle(tmp_path):
+    path = tmp_path / "step_0000001.pt"
+    torch.save({"model": {}, "extra": Payload()}, path)
+    with pytest.raises(CheckpointError, match="cannot load checkpoint"):
+        load_checkpoint(path)
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "step_0000001.pt")
+
+
+# ---- the rename is durable: the directory is fsynced after it
+
+def test_directory_fsynced_after_rename(tmp_path, monkeypatch):
+    events, dir_fds = [], set()
+    real_open, real_close, real_fsync, real_replace = os.open, os.close, os.fsync, os.replace
+
+    def open_(path, flags, *a, **k):
+        fd = real_open(path, flags, *a, **k)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            dir_fds.add(fd)
+        return fd
+
+    def close(fd):
+        if fd in dir_fds:
+            events.append(("close", fd))
+        real_close(fd)
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync_dir" if stat.S_ISDIR(st.st_mode) else "fsync_file", st.st_ino))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", None))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "close", close)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_checkpoint(state(1), tmp_path, 1)
+    kinds = [e[0] for e in events]
+    assert "replace" in kinds
+    after = events[kinds.index("replace") + 1:]
+    assert ("fsync_dir", tmp_path.stat().st_ino) in after
+    assert any(k == "close" for k, _ in after)  # the directory's fd is not leaked
+    assert kinds.index("fsync_file") < kinds.index("replace")
+
+
+def test_directory_fsync_skipped_where_unsupported(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def open_(path, flags, *a, **k):
+        if os.path.isdir(path):
+            raise PermissionError(errno.EACCES, "cannot open a directory here")
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", open_)
+    path = save_checkpoint(state(1), tmp_path, 1)
+    assert load_checkpoint(path)["step"] == 1
+
+
+# ---- failed writes leave no temp file and a clear error
+
+def test_disk_full_mid_write(tmp_path, monkeypatch):
+    save_checkpoint(state(1), tmp_path, 1, keep=1)
+
+    def save(obj, f):
+        f.write(b"PK\x03\x04" + b"\0" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(C.torch, "save", save)
+    with pytest.raises(CheckpointWriteError) as e:
+        save_checkpoint(state(2), tmp_path, 2, keep=1)
+    msg = str(e.value)
+    assert msg == f"cannot write checkpoint {tmp_path / 'step_0000002.pt'}: disk full"
+    assert isinstance(e.value, RuntimeError)
+    assert temps(tmp_path) == []
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000001.pt"]
+    monkeypatch.setattr(C.torch, "save", REAL_SAVE)
+    assert latest_checkpoint(tmp_path)[1]["step"] == 1
+
+
+class FullDisk(io.RawIOBase):
+    """A file that takes `room` bytes, then fails like a full disk."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(b)
+        return self.f.write(b)
+
+
+def test_disk_full_inside_torch_save(tmp_path, monkeypatch):
+    # the real torch.save reports this as RuntimeError('[enforce fail at inline_container.cc
+    # ...] unexpected pos ...'), with the OSError only in its context
+    monkeypatch.setattr(C.torch, "save", lambda obj, f: REAL_SAVE(obj, FullDisk(f, 100)))
+    with pytest.raises(CheckpointWriteError, match=r"step_0000001\.pt: disk full$"):
+        save_checkpoint(state(1), tmp_path, 1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_other_failure_is_one_line(tmp_path, monkeypatch):
+    def save(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0\n"
+                           "frame #0: c10::ThrowEnforceNotMet(...)")
+
+    monkeypatch.setattr(C.torch, "save", save)
+    with pytest.raises(CheckpointWriteError) as e:
+        save_checkpoint(state(1), tmp_path, 1)
+    assert "\n" not in str(e.value) and "RuntimeError: [enforce fail" in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_fsync_failure_is_a_write_error(tmp_path, monkeypatch):
+    def fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(CheckpointWriteError, match="Input/output error"):
+        save_checkpoint(state(1), tmp_path, 1)
+    assert os.listdir(tmp_path) == []
+
+
+# ---- stale temps from killed writers are cleaned up
+
+def plant(d, pid):
+    names = [f".step_0000005.pt.tmp{pid}", f".step_0000006.pt.tmp{pid}"]
+    for name in names:
+        (d / name).write_bytes(b"partial")
+    return names
+
+
+def test_clean_stale_temps(tmp_path):
+    stale = plant(tmp_path, dead_pid()) + plant(tmp_path, os.getpid())  # ours: not in flight
+    alive = f".step_0000007.pt.tmp{os.getppid()}"  # another live writer's temp is kept
+    keep = ["notes.txt", "step_0000004.pt", "step_0000004.pt.tmp1", ".step_x.pt.tmp1", alive,
+            f".step_0000008.pt.tmp{10**30}"]
+    for name in keep:
+        (tmp_path / name).write_bytes(b"x")
+    removed = clean_stale_temps(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(stale)
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+    assert clean_stale_temps(tmp_path / "missing") == []
+
+
+def test_save_cleans_stale_temps(tmp_path):
+    plant(tmp_path, dead_pid())
+    (tmp_path / "notes.txt").write_text("mine")
+    save_checkpoint(state(1), tmp_path, 1)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_0000001.pt"]
