@@ -5,13 +5,17 @@
         res = scorer.score(prompts, completions, targets, metas)
     res.total                  # (N,) weighted sum
     res.columns["levenshtein"] # (N,) one plugin, failed rows replaced by on_error
-    res.metrics                # reward/<plugin>/{mean,std,seconds,failures}, reward/total/...
+    res.metrics                # reward/<plugin>/{seconds,failures}, reward/seconds
+
+The metrics are the scorer's own health figures only: the trainer computes reward means and
+stds across ranks from `columns` and `total`.
 
 Work: each plugin's rows are cut into `workers` contiguous chunks and each (plugin, chunk) is
-one call, run in this thread (serial), a ThreadPoolExecutor (thread) or a ProcessPoolExecutor
-(process). The chunks are the same for the three executors, so they give identical results,
-failures included. python-chess scorers are pure Python and hold the GIL: threads only suit
-scorers that wait on I/O, processes give real parallelism (docs/rewards.md has the figures).
+one call, run one at a time in a helper thread (serial), in `workers` threads (thread) or in
+`workers` processes (process). The chunks are the same for the three executors, so they give
+identical results, failures included. python-chess scorers are pure Python and hold the GIL:
+threads only suit scorers that wait on I/O, processes give real parallelism (docs/rewards.md
+has the figures). Plugins get copies of the rows' metadata, so they cannot change the dataset.
 
 Processes are started with 'spawn', not fork: forking a trainer that runs torch and CUDA
 threads can deadlock. Spawn sends plugins by reference, so they must be module-level
@@ -19,12 +23,18 @@ functions (checked here, at start-up), and re-imports the main module, so a laun
 needs the `if __name__ == "__main__":` guard. Pools start in the constructor and live until
 close(), because starting workers costs about a second.
 
-Failure isolation: a call that raises or returns the wrong number of values fails all its rows;
-NaN, Inf, None or non-numbers fail just their rows; a pooled call counts as hung when no call of
-the batch finishes for `timeout` seconds (then its workers are killed, or, for threads,
-abandoned, and the pool restarts), and a serial call that overruns the timeout fails after the
-fact. Failed rows get `on_error`, a per-plugin counter goes up and the first error is logged
-once ("mini_grpo.scoring"); more than `max_fail_frac` of a batch's rows failing for one plugin
+Failure isolation: a call that raises (SystemExit included; KeyboardInterrupt still stops the
+run) is retried one row at a time in the same worker, so only the rows that raise alone fail. A
+call that returns the wrong number of values, or a dict, set or string, fails all its rows;
+NaN, Inf, None or non-numbers fail just their rows. A call counts as hung when no call of the
+batch finishes for `timeout` seconds; its rows fail and the rest of the batch still scores.
+What happens to the hung call depends on the executor:
+  process  its worker processes are killed and the pool restarts: the call is really stopped.
+  serial, thread  a thread cannot be killed, so the call is abandoned: it keeps running (and
+           using CPU) in the background until it returns, and new threads take over. They are
+           daemon threads, so an abandoned call never keeps the process from exiting.
+Failed rows get `on_error`, a per-plugin counter goes up and the first error is logged once
+("mini_grpo.scoring"); more than `max_fail_frac` of a batch's rows failing for one plugin
 raises RewardError with that plugin's first error.
 """
 
@@ -33,9 +43,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import queue
+import threading
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from collections.abc import Mapping, Set
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,13 +70,16 @@ class RewardError(RuntimeError):
 class ScoreResult:
     total: np.ndarray  # (N,) float64 weighted sum
     columns: dict[str, np.ndarray]  # plugin -> (N,), after on_error substitution
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # reward/<plugin>/seconds, reward/<plugin>/failures, reward/seconds
 
 
-# ---- one plugin call: the same code runs in this thread, a pool thread or a worker process ----
+# ---- one plugin call: the same code runs in a helper thread or a worker process ----
 
 def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]:
     """(rewards with NaN where a row failed, or None when the whole call failed; error)."""
+    if isinstance(values, (Mapping, Set, str, bytes, bytearray)):
+        # iterable, but not one value per row in order: a dict would be read as its keys
+        return None, f"returned {type(values).__name__}, expected a list of {n} floats"
     if not isinstance(values, (list, tuple, np.ndarray)):
         try:
             values = list(values)
@@ -98,9 +114,28 @@ def _call(fn, lo: int, prompts, completions, targets, metas):
     try:
         values = fn(prompts, completions, targets, metas)
         arr, err = _as_rewards(values, len(completions), lo)
-    except Exception:
+    except KeyboardInterrupt:  # Ctrl-C must still stop the run
+        raise
+    except BaseException:  # SystemExit too: a plugin calling sys.exit must not end the trainer
         arr, err = None, traceback.format_exc()
+        if len(completions) > 1:  # one bad row must not cost the good rows of its chunk
+            arr, err = _call_by_row(fn, lo, prompts, completions, targets, metas)
     return arr, time.perf_counter() - t0, err
+
+
+def _call_by_row(fn, lo: int, prompts, completions, targets, metas):
+    """The rewards of a call that raised, retried one row at a time: (rewards, first error)."""
+    hi = lo + len(completions)
+    arr, first_err = np.full(len(completions), np.nan), None
+    for i in range(len(completions)):
+        row, _, err = _call(fn, lo + i, prompts[i:i + 1], completions[i:i + 1],
+                            targets[i:i + 1], metas[i:i + 1])
+        if row is not None:
+            arr[i] = row[0]
+        if err is not None and first_err is None:
+            first_err = f"row {lo + i}, retried alone after the call on rows {lo}..{hi - 1} " \
+                        f"raised:\n{err}"
+    return arr, first_err
 
 
 _worker_fns: list = []  # this worker process's plugins, set once by _init_worker
@@ -116,6 +151,51 @@ def _call_in_worker(index: int, lo: int, *rows):
 
 def _ready() -> bool:
     return True
+
+
+class _DaemonThreadPool(Executor):
+    """A thread pool of daemon threads, taking calls in submission order.
+
+    ThreadPoolExecutor joins its threads when the interpreter exits, even after
+    shutdown(wait=False), so a plugin call that never returns would keep the trainer alive
+    forever. A daemon thread is dropped at exit instead.
+    """
+
+    def __init__(self, workers: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"reward-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # KeyboardInterrupt: re-raised by future.result()
+                    future.set_exception(e)
+
+    def submit(self, fn, /, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Idle threads exit now, busy ones when their call returns (hung ones never do)."""
+        while cancel_futures:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
 
 
 class RewardScorer:
@@ -152,23 +232,23 @@ class RewardScorer:
             self.fns.append(fn)
         self.failure_counts = dict.fromkeys(self.keys, 0)  # rows failed since start, per plugin
         self._logged: set[str] = set()
+        self._slots = 1 if executor == "serial" else workers  # calls that run at once
         self._pool = None
-        if executor != "serial":
-            self._start_pool()
+        self._start_pool()
 
     @classmethod
     def from_config(cls, cfg, task) -> RewardScorer:
-        """cfg.rewards, else the task's defaults; parallel_rewards: false means serial."""
-        return cls(cfg.rewards or task.default_rewards,
-                   executor=cfg.reward_executor if cfg.parallel_rewards else "serial",
+        """cfg.rewards, else the task's defaults, run on cfg.reward_executor."""
+        return cls(cfg.rewards or task.default_rewards, executor=cfg.reward_executor,
                    workers=cfg.num_reward_workers, on_error=cfg.reward_on_error,
                    timeout=cfg.reward_timeout, max_fail_frac=cfg.reward_max_fail_frac)
 
     # ---- pools ----
 
     def _start_pool(self) -> None:
-        if self.executor == "thread":
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="reward")
+        if self.executor != "process":
+            # serial too: with the call in a helper thread, this one can stop waiting for it
+            self._pool = _DaemonThreadPool(self._slots)
             return
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(
             "spawn"), initializer=_init_worker, initargs=(self.fns,))
@@ -183,7 +263,8 @@ class RewardScorer:
                               f"try reward_executor: thread")
 
     def _discard_pool(self) -> None:
-        """Drops the pool without waiting: killing workers is the only way to stop a hung call."""
+        """Drops the pool without waiting: worker processes are killed (the only way to stop a
+        hung call), threads are abandoned to finish or hang on their own."""
         pool, self._pool = self._pool, None
         if isinstance(pool, ProcessPoolExecutor):
             for p in list(pool._processes.values()):  # no public API for this before 3.14
@@ -195,7 +276,7 @@ class RewardScorer:
         pool, self._pool = self._pool, None
         if pool is not None:
             # a hung plugin thread cannot be stopped, so threads are not waited for
-            pool.shutdown(wait=isinstance(pool, ProcessPoolExecutor), cancel_futures=True)
+            pool.shutdown(wait=self.executor == "process", cancel_futures=True)
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -216,9 +297,7 @@ class RewardScorer:
         edges = [n * i // self.workers for i in range(self.workers + 1)]
         chunks = [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
         calls = [(p, lo, hi) for p in range(len(self.fns)) for lo, hi in chunks]
-        rows = (prompts, completions, targets, metas)
-        outs = self._run_serial(calls, rows) if self.executor == "serial" else \
-            self._run_pooled(calls, rows)
+        outs = self._run(calls, (prompts, completions, targets, metas))
 
         cols = [np.full(n, np.nan) for _ in self.fns]
         seconds = [0.0] * len(self.fns)
@@ -237,22 +316,20 @@ class RewardScorer:
             failed = np.isnan(col)
             col[failed] = self.on_error
             nfail = int(failed.sum())
-            if nfail:
+            if nfail > self.max_fail_frac * n and too_many is None:
+                too_many = (key, nfail, first_error[p])  # raised below, not logged twice
+            elif nfail:
                 self._record_failure(key, nfail, n, first_error[p])
-                if nfail > self.max_fail_frac * n and too_many is None:
-                    too_many = (key, nfail, first_error[p])
             total += self.weights[p] * col
             columns[key] = col
-            metrics[f"reward/{key}/mean"] = float(col.mean()) if n else 0.0
-            metrics[f"reward/{key}/std"] = float(col.std()) if n else 0.0
             metrics[f"reward/{key}/seconds"] = seconds[p]
             metrics[f"reward/{key}/failures"] = float(nfail)
         if too_many is not None:
             key, nfail, err = too_many
+            last = (err or "").strip().splitlines()[-1:] or ["?"]
             raise RewardError(f"reward plugin {key!r} failed on {nfail} of {n} rows, more than "
-                              f"reward_max_fail_frac={self.max_fail_frac:g}; first error:\n{err}")
-        metrics["reward/total/mean"] = float(total.mean()) if n else 0.0
-        metrics["reward/total/std"] = float(total.std()) if n else 0.0
+                              f"reward_max_fail_frac={self.max_fail_frac:g}; first error: "
+                              f"{last[0]}\n{err}")
         metrics["reward/seconds"] = time.perf_counter() - t0
         return ScoreResult(total, columns, metrics)
 
@@ -264,17 +341,7 @@ class RewardScorer:
                         "are only counted (reward/%s/failures). First error:\n%s",
                         key, nfail, n, self.on_error, key, err)
 
-    def _run_serial(self, calls, rows):
-        outs = []
-        for p, lo, hi in calls:
-            arr, secs, err = _call(self.fns[p], lo, *(r[lo:hi] for r in rows))
-            if secs > self.timeout:  # cannot interrupt our own thread; fail it after the fact
-                arr, err = None, f"call on rows {lo}..{hi - 1} took {secs:.3g} s, " \
-                                 f"more than the {self.timeout:g} s timeout"
-            outs.append((arr, secs, err))
-        return outs
-
-    def _run_pooled(self, calls, rows):
+    def _run(self, calls, rows):
         outs: list = [None] * len(calls)
         todo = list(range(len(calls)))
         while todo:
@@ -282,30 +349,37 @@ class RewardScorer:
                 self._start_pool()
             futures = {self._submit(*calls[i], rows): i for i in todo}
             pending, broken = list(futures), False
-            while pending:
-                done, _ = wait(pending, timeout=self.timeout, return_when=FIRST_COMPLETED)
-                if not done:
-                    break
-                for f in done:
-                    try:
-                        outs[futures[f]] = f.result()
-                    except Exception as e:  # a worker process died (crash, os._exit, OOM)
-                        outs[futures[f]] = (None, 0.0, f"reward worker failed: {e!r}")
-                        broken = True
-                pending = [f for f in pending if f not in done]
+            try:
+                while pending:
+                    done, _ = wait(pending, timeout=self.timeout, return_when=FIRST_COMPLETED)
+                    if not done:
+                        break
+                    for f in done:
+                        try:
+                            outs[futures[f]] = f.result()
+                        except Exception as e:  # a worker process died (crash, os._exit, OOM)
+                            outs[futures[f]] = (None, 0.0, f"reward worker failed: {e!r}")
+                            broken = True
+                    pending = [f for f in pending if f not in done]
+            except BaseException:  # Ctrl-C: drop this batch's calls, so the next one starts clean
+                self._discard_pool()
+                raise
             # Nothing finished for `timeout` seconds: the oldest unfinished calls are the running
-            # ones (both pools start work in submission order), so those hang.
-            for f in pending[:self.workers]:
+            # ones (every pool starts work in submission order), so those hang.
+            for f in pending[:self._slots]:
                 p, lo, hi = calls[futures[f]]
                 outs[futures[f]] = (None, self.timeout, f"call on rows {lo}..{hi - 1} did not "
                                     f"finish within the {self.timeout:g} s timeout")
             if pending or broken:
                 self._discard_pool()
-            todo = [futures[f] for f in pending[self.workers:]]
+            todo = [futures[f] for f in pending[self._slots:]]
         return outs
 
     def _submit(self, p: int, lo: int, hi: int, rows):
-        chunk = [r[lo:hi] for r in rows]
-        if self.executor == "process":
-            return self._pool.submit(_call_in_worker, p, lo, *chunk)
-        return self._pool.submit(_call, self.fns[p], lo, *chunk)
+        prompts, completions, targets, metas = (r[lo:hi] for r in rows)
+        if self.executor == "process":  # pickling gives the worker its own copy of the rows
+            return self._pool.submit(_call_in_worker, p, lo, prompts, completions, targets, metas)
+        # the same deep copy a worker process gets, so that a plugin cannot change the dataset
+        # or what the next plugin sees (pickle: 6x faster than copy.deepcopy on small dicts)
+        metas = pickle.loads(pickle.dumps(metas))
+        return self._pool.submit(_call, self.fns[p], lo, prompts, completions, targets, metas)

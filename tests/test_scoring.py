@@ -7,8 +7,11 @@ file by name to find them.
 import logging
 import math
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -63,6 +66,36 @@ def sleepy(prompts, completions, targets, metas):
     return [1.0] * len(completions)
 
 
+def exits(prompts, completions, targets, metas):
+    if "bad" in completions:
+        raise SystemExit("plugin called sys.exit")
+    return [1.0] * len(completions)
+
+
+def interrupted(prompts, completions, targets, metas):
+    raise KeyboardInterrupt
+
+
+def meddle(prompts, completions, targets, metas):
+    for m in metas:
+        m["bonus"] = 100.0
+        m["moves"].append("e2e4")
+        m.clear()
+    return [1.0] * len(completions)
+
+
+def returns_dict(prompts, completions, targets, metas):
+    return {i: 1.0 for i in range(len(completions))}  # list() of it would be the row numbers
+
+
+def returns_str(prompts, completions, targets, metas):
+    return "1" * len(completions)
+
+
+def returns_bytes(prompts, completions, targets, metas):
+    return b"1" * len(completions)
+
+
 def spec(fn, weight=1.0):
     return {"name": f"{__name__}:{fn.__name__}", "weight": weight}
 
@@ -77,11 +110,17 @@ def test_weighted_sum_by_hand():
         res = scorer.score(*rows(["", "ab", "abcd"]))
     np.testing.assert_array_equal(res.columns["length"], [0, 2, 4])
     np.testing.assert_array_equal(res.total, [2.0, 3.0, 4.0])  # 0.5 * len + 2 * 1
-    assert res.metrics["reward/length/mean"] == 2.0
-    assert res.metrics["reward/length/std"] == pytest.approx(math.sqrt(8 / 3))
+    assert res.columns["length"].mean() == 2.0 and res.total.mean() == 3.0
     assert res.metrics["reward/length/failures"] == 0
     assert res.metrics["reward/length/seconds"] >= 0
-    assert res.metrics["reward/total/mean"] == 3.0
+
+
+def test_metrics_are_only_the_scorers_health():
+    # means and stds over all ranks are the trainer's job, from res.columns and res.total
+    with RewardScorer([spec(length), spec(one)], workers=2) as scorer:
+        res = scorer.score(*rows(["", "ab", "abcd"]))
+    assert sorted(res.metrics) == ["reward/length/failures", "reward/length/seconds",
+                                   "reward/one/failures", "reward/one/seconds", "reward/seconds"]
 
 
 def test_plugins_see_the_rows_metadata():
@@ -90,9 +129,19 @@ def test_plugins_see_the_rows_metadata():
     np.testing.assert_array_equal(res.total, [0.25, 0.5])
 
 
+@pytest.mark.parametrize("executor", ["serial", "thread"])
+def test_plugins_cannot_change_the_callers_metadata(executor):
+    metas = [{"bonus": 0.25, "moves": []}, {"bonus": 0.5, "moves": ["d2d4"]}]
+    with RewardScorer([spec(meddle), spec(from_meta)], executor=executor) as scorer:
+        res = scorer.score(["p", "q"], ["a", "b"], ["t", "u"], metas)
+    assert metas == [{"bonus": 0.25, "moves": []}, {"bonus": 0.5, "moves": ["d2d4"]}]
+    np.testing.assert_array_equal(res.columns["from_meta"], [0.25, 0.5])  # not meddle's 100
+
+
 def test_empty_batch():
     res = RewardScorer([spec(one)]).score([], [], [], [])
-    assert res.total.shape == (0,) and res.metrics["reward/one/mean"] == 0.0
+    assert res.total.shape == (0,) and res.columns["one"].shape == (0,)
+    assert res.metrics["reward/one/failures"] == 0.0
 
 
 def test_bad_names_fail_at_construction():
@@ -111,16 +160,26 @@ def test_process_executor_needs_picklable_plugins(monkeypatch):
         RewardScorer([{"name": "a_lambda"}], executor="process")
 
 
-def test_from_config_uses_task_defaults_or_config(tmp_path):
-    cfg = load_config(overrides={"num_train": 20, "num_eval": 5, "parallel_rewards": False},
-                      env={})
+def test_from_config_uses_task_defaults_or_config():
+    cfg = load_config(overrides={"task_args": {"num_train": 20}, "num_eval": 5}, env={})
     task = build_task(cfg)
-    scorer = RewardScorer.from_config(cfg, task)
-    assert scorer.executor == "serial" and scorer.keys == [r["name"] for r in DEFAULT_REWARDS]
-    cfg.rewards, cfg.reward_executor, cfg.parallel_rewards = [{"name": "exact_match"}], \
-        "thread", True
+    cfg.reward_executor = "serial"
+    with RewardScorer.from_config(cfg, task) as scorer:
+        assert scorer.executor == "serial"
+        assert scorer.keys == [r["name"] for r in DEFAULT_REWARDS]
+    cfg.rewards, cfg.reward_executor = [{"name": "exact_match"}], "thread"
     with RewardScorer.from_config(cfg, task) as scorer:
         assert scorer.executor == "thread" and scorer.keys == ["exact_match"]
+
+
+def test_from_config_reads_only_the_reward_fields():
+    # no parallel_rewards: the config maps that legacy switch to reward_executor itself
+    cfg = SimpleNamespace(rewards=[{"name": "exact_match"}], reward_executor="thread",
+                          num_reward_workers=3, reward_on_error=-1.0, reward_timeout=2.0,
+                          reward_max_fail_frac=0.25)
+    with RewardScorer.from_config(cfg, task=None) as scorer:
+        assert (scorer.executor, scorer.workers, scorer.on_error, scorer.timeout,
+                scorer.max_fail_frac) == ("thread", 3, -1.0, 2.0, 0.25)
 
 
 def test_serial_thread_process_identical_on_ten_thousand_completions():
@@ -146,21 +205,50 @@ def test_serial_thread_process_identical_on_ten_thousand_completions():
 BATCH = ["a", "b", "c", "bad"]
 
 
-@pytest.mark.parametrize("executor", ["serial", "thread"])
-def test_raising_plugin_fails_its_chunk_and_logs_once(executor, caplog):
+@pytest.mark.parametrize("executor", ["serial", "thread", "process"])
+def test_raising_plugin_fails_only_the_rows_that_raise_alone_and_logs_once(executor, caplog):
+    # the chunk ["c", "bad"] raises, so its rows are retried one by one: only "bad" fails
     with RewardScorer([spec(boom), spec(one)], executor=executor, workers=2, on_error=-1.0,
                       max_fail_frac=0.5) as scorer:
         with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
             res = scorer.score(*rows(BATCH))
             scorer.score(*rows(BATCH))
-    np.testing.assert_array_equal(res.columns["boom"], [1, 1, -1, -1])
+    np.testing.assert_array_equal(res.columns["boom"], [1, 1, 1, -1])
     np.testing.assert_array_equal(res.columns["one"], [1, 1, 1, 1])
-    assert res.metrics["reward/boom/failures"] == 2
-    assert scorer.failure_counts == {"boom": 4, "one": 0}
+    assert res.metrics["reward/boom/failures"] == 1
+    assert scorer.failure_counts == {"boom": 2, "one": 0}
     warnings = [r for r in caplog.records if r.name == "mini_grpo.scoring"]
     assert len(warnings) == 1
     assert "ZeroDivisionError: plugin exploded" in warnings[0].getMessage()
     assert "Traceback" in warnings[0].getMessage()
+    assert "row 3" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread", "process"])
+def test_system_exit_in_a_plugin_is_a_failed_row_not_the_end_of_the_run(executor, caplog):
+    with RewardScorer([spec(exits)], executor=executor, workers=2, max_fail_frac=0.5) as scorer:
+        with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
+            res = scorer.score(*rows(BATCH))
+    np.testing.assert_array_equal(res.columns["exits"], [1, 1, 1, 0])
+    assert "SystemExit: plugin called sys.exit" in caplog.text
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread"])
+def test_keyboard_interrupt_in_a_plugin_still_stops_the_run(executor):
+    with RewardScorer([spec(interrupted)], executor=executor, workers=2) as scorer:
+        with pytest.raises(KeyboardInterrupt):
+            scorer.score(*rows(BATCH))
+        with pytest.raises(KeyboardInterrupt):  # and the scorer still works afterwards
+            scorer.score(*rows(BATCH))
+
+
+@pytest.mark.parametrize("fn", [returns_dict, returns_str, returns_bytes])
+def test_a_mapping_or_string_is_not_a_list_of_rewards(fn, caplog):
+    with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
+        res = RewardScorer([spec(fn)], workers=2, max_fail_frac=1.0).score(*rows(BATCH))
+    np.testing.assert_array_equal(res.columns[fn.__name__], [0, 0, 0, 0])
+    kind = {returns_dict: "dict", returns_str: "str", returns_bytes: "bytes"}[fn]
+    assert f"returned {kind}, expected a list of 2 floats" in caplog.text
 
 
 def test_wrong_number_of_values_fails_the_chunk():
@@ -178,7 +266,7 @@ def test_nan_none_inf_fail_only_their_rows(fn, caplog):
     assert "for row 3" in caplog.text
 
 
-@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("executor", ["serial", "thread", "process"])
 def test_hung_plugin_times_out_and_the_rest_still_scores(executor):
     with RewardScorer([spec(sleepy), spec(length)], executor=executor, workers=2, timeout=0.3,
                       max_fail_frac=0.5) as scorer:
@@ -192,9 +280,30 @@ def test_hung_plugin_times_out_and_the_rest_still_scores(executor):
         np.testing.assert_array_equal(res.total, [2, 2])
 
 
-def test_serial_call_over_the_timeout_fails_after_the_fact():
-    scorer = RewardScorer([spec(sleepy)], workers=2, timeout=0.3, max_fail_frac=0.5)
-    np.testing.assert_array_equal(scorer.score(*rows(BATCH)).columns["sleepy"], [1, 1, 0, 0])
+# A script whose plugin never returns on the chunk holding "bad"; argv[1] is the executor.
+HANG = """
+import sys, threading
+from mini_grpo.rewards import register
+from mini_grpo.scoring import RewardScorer
+
+@register("hang")
+def hang(prompts, completions, targets, metas):
+    if "bad" in completions:
+        threading.Event().wait()
+    return [1.0] * len(completions)
+
+with RewardScorer([{"name": "hang"}], executor=sys.argv[1], workers=2, timeout=1.0) as scorer:
+    print(scorer.score([""] * 4, ["a", "b", "c", "bad"], [""] * 4, None).columns["hang"])
+"""
+
+
+@pytest.mark.parametrize("executor", ["serial", "thread"])
+def test_a_plugin_that_never_returns_neither_hangs_scoring_nor_the_exit(executor):
+    # before: serial waited for the call forever, thread for its pool's threads at exit
+    out = subprocess.run([sys.executable, "-c", HANG, executor], cwd=ROOT, capture_output=True,
+                         text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1. 1. 0. 0.]"
 
 
 @pytest.mark.parametrize("executor", ["serial", "process"])
@@ -202,7 +311,7 @@ def test_failure_fraction_over_the_limit_stops_with_the_traceback(executor):
     # 2 of 4 rows fail: allowed at max_fail_frac=0.5, not at 0.4
     with RewardScorer([spec(boom)], executor=executor, workers=2, max_fail_frac=0.4) as scorer:
         with pytest.raises(RewardError, match="'boom' failed on 2 of 4 rows") as info:
-            scorer.score(*rows(BATCH))
+            scorer.score(*rows(["a", "bad", "c", "bad"]))
     assert isinstance(info.value, RuntimeError)
     assert "Traceback" in str(info.value) and "plugin exploded" in str(info.value)
 
@@ -210,14 +319,14 @@ def test_failure_fraction_over_the_limit_stops_with_the_traceback(executor):
 def test_example_plugin_through_the_config(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # `examples.my_reward` is importable from the root
     cfg = load_config(str(ROOT / "examples" / "my_reward.yaml"),
-                      overrides={"num_train": 20, "num_eval": 8}, env={})
+                      overrides={"task_args": {"num_train": 20}, "num_eval": 8}, env={})
     task = build_task(cfg)
-    assert cfg.parallel_rewards and cfg.reward_executor == "process"
+    assert cfg.reward_executor == "process"
     with RewardScorer.from_config(cfg, task) as scorer:
         targets = [ex.target for ex in task.eval]
         res = scorer.score([ex.prompt for ex in task.eval], targets, targets,
                            [ex.meta for ex in task.eval])
-        assert res.metrics["reward/piece_count/mean"] == 1.0
+        assert res.columns["piece_count"].mean() == 1.0
         res = scorer.score(["e2e4:"], ["8/8/8/8/8/8/8/8 w - - 0 1"],
                            ["rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1"], [{}])
         assert res.columns["piece_count"][0] == 0.0  # 0 pieces against 32
