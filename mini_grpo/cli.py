@@ -18,12 +18,31 @@ import sys
 
 import yaml
 
-from .config import ConfigError, GRPOConfig, load_config, parse_cli
+from .config import ConfigError, load_config, parse_cli
 
 
-def _fail(e: Exception) -> int:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+def _fail(e: Exception, code: int = 2) -> int:
+    """One line on stderr: the message's first line (a plugin's traceback stays out of it;
+    its last line is in the first already)."""
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return code
+
+
+def _guarded(fn) -> int:
+    """Runs fn(); bad input (config, data, plugin, checkpoint) is one line and exit 2, a run
+    that cannot go on (non-finite training, a checkpoint that cannot be written) one line
+    and exit 1."""
+    from .checkpoint import CheckpointError, CheckpointWriteError
+    from .guards import GuardError, NonFiniteError
+    from .scoring import RewardError
+
+    try:
+        fn()
+    except (ConfigError, CheckpointError, RewardError) as e:
+        return _fail(e)
+    except (GuardError, NonFiniteError, CheckpointWriteError) as e:
+        return _fail(e, code=1)
+    return 0
 
 
 def train_main(argv: list[str]) -> int:
@@ -37,28 +56,17 @@ def train_main(argv: list[str]) -> int:
     if print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from .checkpoint import CheckpointError
-    from .guards import GuardError
-    from .trainer import train
+    from .job import train
 
-    try:
-        train(cfg)
-    except (ConfigError, CheckpointError) as e:
-        return _fail(e)
-    except GuardError as e:  # the fallback ladder ran out: a clear line, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return _guarded(lambda: train(cfg))
 
 
-def _checkpoint_config(path: str, overrides: list[str]):
-    """The checkpoint's saved config with command-line overrides applied."""
-    from .checkpoint import load_checkpoint
+def _from_checkpoint(path: str, rest: list[str]):
+    """(state, config) of a checkpoint, its stored config checked like a user's; raises
+    ConfigError / CheckpointError."""
+    from .run import checkpoint_config
 
-    state = load_checkpoint(path)
-    base = GRPOConfig(**state["config"]).to_dict()
-    base.update(parse_cli(overrides)[1])
-    return state, load_config(None, base, env={})
+    return checkpoint_config(path, parse_cli(rest)[1])
 
 
 def evaluate_main(argv: list[str]) -> int:
@@ -67,33 +75,23 @@ def evaluate_main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--json", help="also write the results here")
     args, rest = ap.parse_known_args(argv)
-    from .checkpoint import CheckpointError
 
-    try:
-        state, cfg = _checkpoint_config(args.checkpoint, rest)
+    def run_eval():
         from .evaluate import evaluate, format_table
-        from .precision import resolve_device, setup_backends
-        from .scoring import RewardScorer
-        from .tasks import build_task
-        from .trainer import load_policy
+        from .run import setup
 
-        setup_backends(cfg)
-        device = resolve_device(cfg)
-        model, tok, _ = load_policy(args.checkpoint, device)
-        task = build_task(cfg)
-        with RewardScorer.from_config(cfg, task) as scorer:
-            result = {mode: evaluate(model, tok, task.eval, scorer, cfg, device,
-                                     greedy=mode == "greedy", seed=cfg.seed)
+        state, cfg = _from_checkpoint(args.checkpoint, rest)
+        with setup(cfg, checkpoint=state, log=False) as run:
+            result = {mode: evaluate(run, greedy=mode == "greedy", seed=cfg.seed)
                       for mode in ("greedy", "sampled")}
-    except (ConfigError, CheckpointError) as e:
-        return _fail(e)
-    print(f"checkpoint {args.checkpoint} ({state.get('kind')} step {state.get('step')}), "
-          f"{len(task.eval)} held-out prompts")
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+            print(f"checkpoint {args.checkpoint} ({state.get('kind')} step "
+                  f"{state.get('step')}), {len(run.task.eval)} held-out prompts")
+        print(format_table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+
+    return _guarded(run_eval)
 
 
 def sample_main(argv: list[str]) -> int:
@@ -107,28 +105,28 @@ def sample_main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    import torch
 
-    from .checkpoint import CheckpointError
-    from .rollout import sample
-    from .trainer import load_policy
+    def run_sample():
+        import torch
 
-    try:
-        model, tok, state = load_policy(args.checkpoint, "cpu")
-    except CheckpointError as e:
-        return _fail(e)
-    for p in args.prompt:
-        if tok.unknown_chars(p):
-            return _fail(ConfigError(f"--prompt {p!r}: characters not in the model's "
-                                     f"alphabet: {tok.unknown_chars(p)}"))
-    max_new = state["config"]["max_new_tokens"]
-    prompts = [p for p in args.prompt for _ in range(args.n)]
-    r = sample(model, tok, prompts, max_new, greedy=args.greedy,
-               temperature=args.temperature,
-               generator=torch.Generator().manual_seed(args.seed))
-    for p, text in zip(prompts, r.texts):
-        print(f"{p} {text}")
-    return 0
+        from .rollout import sample
+        from .run import setup
+
+        state, cfg = _from_checkpoint(args.checkpoint, ["--device=cpu", "--compile_model=false",
+                                                          "--rewards=null"])
+        with setup(cfg, checkpoint=state, log=False, task=False) as run:
+            for p in args.prompt:
+                if run.tok.unknown_chars(p):
+                    raise ConfigError(f"--prompt {p!r}: characters not in the model's "
+                                      f"alphabet: {run.tok.unknown_chars(p)}")
+            prompts = [p for p in args.prompt for _ in range(args.n)]
+            r = sample(run.model, run.tok, prompts, cfg.max_new_tokens, greedy=args.greedy,
+                       temperature=args.temperature,
+                       generator=torch.Generator().manual_seed(args.seed))
+        for p, text in zip(prompts, r.texts):
+            print(f"{p} {text}")
+
+    return _guarded(run_sample)
 
 
 def rft_generate_main(argv: list[str]) -> int:
@@ -139,32 +137,21 @@ def rft_generate_main(argv: list[str]) -> int:
     ap.add_argument("--output", required=True, help="JSONL file to write (resumed if present)")
     ap.add_argument("--split", choices=["train", "eval"], default="train")
     args, rest = ap.parse_known_args(argv)
-    from .checkpoint import CheckpointError
 
-    try:
-        _, cfg = _checkpoint_config(args.checkpoint, rest)
-        from . import distributed as D
-        from .precision import resolve_device, setup_backends
+    def run_rft():
         from .rft import generate_rft_data
-        from .scoring import RewardScorer
-        from .tasks import build_task
-        from .trainer import load_policy
+        from .run import setup
 
-        dist = D.init(cfg.dist_timeout)
-        setup_backends(cfg, dist.local_world_size)
-        device = resolve_device(cfg, dist.local_rank)
-        model, tok, _ = load_policy(args.checkpoint, device)
-        task = build_task(cfg)
-        examples = task.train if args.split == "train" else task.eval
-        if args.split == "train" and cfg.rft_num_prompts:
-            keep = set(list(dict.fromkeys(ex.prompt for ex in examples))[:cfg.rft_num_prompts])
-            examples = [ex for ex in examples if ex.prompt in keep]
-        with RewardScorer.from_config(cfg, task) as scorer:
-            generate_rft_data(model, tok, examples, scorer, cfg, device, dist, args.output)
-        D.cleanup()
-    except (ConfigError, CheckpointError) as e:
-        return _fail(e)
-    return 0
+        state, cfg = _from_checkpoint(args.checkpoint, rest)
+        with setup(cfg, checkpoint=state, log=False) as run:
+            examples = run.task.train if args.split == "train" else run.task.eval
+            if args.split == "train" and cfg.rft_num_prompts:
+                keep = set(list(dict.fromkeys(ex.prompt for ex in examples))
+                           [:cfg.rft_num_prompts])
+                examples = [ex for ex in examples if ex.prompt in keep]
+            generate_rft_data(run, examples, args.output)
+
+    return _guarded(run_rft)
 
 
 COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -41,18 +43,17 @@ class GRPOConfig:
 
     # ---- task and data ----
     task: str = "chess_fen"
-    data_path: str = ""  # JSONL of {"prompt", "target"} rows; replaces the generated data
-    pgn_path: str = ""  # PGN file whose games give prompts (chess_fen only)
-    min_plies: int = 2  # shortest generated game (half-moves)
-    max_plies: int = 12
-    move_format: Literal["uci", "san"] = "uci"
-    num_train: int = 50000  # generated training prompts (~10 s to generate)
+    # the task's own options, validated by the task (`--task_args.max_plies=8` on the command
+    # line); chess_fen: num_train, min_plies, max_plies, move_format, pgn_path (tasks/)
+    task_args: dict = dataclasses.field(default_factory=dict)
+    data_path: str = ""  # JSONL of {"prompt", "target"} rows; replaces the task's own data
     num_eval: int = 512  # held-out prompts, never seen in training
     rewards: list | None = None  # [{name: ..., weight: ...}]; None = the task's defaults
 
     # ---- reward scoring ----
-    parallel_rewards: bool = True  # score in a worker pool instead of the main thread
-    reward_executor: Literal["thread", "process"] = "process"  # python-chess holds the GIL
+    # serial: in the trainer's thread; thread: a pool of threads (for plugins that wait on
+    # I/O); process: worker processes (python-chess holds the GIL, so only processes scale it)
+    reward_executor: Literal["serial", "thread", "process"] = "process"
     num_reward_workers: int = 2
     reward_on_error: float = 0.0  # reward given to rows whose plugin failed
     reward_timeout: float = 30.0  # seconds per plugin call before it counts as failed
@@ -149,8 +150,12 @@ class GRPOConfig:
     dist_timeout: float = 600.0
 
     def validate(self) -> None:
-        """Range checks that types alone cannot express."""
-        positive = ["num_train", "num_eval", "n_layer", "n_head", "n_embd", "block_size",
+        """Range checks that types alone cannot express; fills in the task's arguments."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{f.name}: must be a finite number, got {v}")
+        positive = ["num_eval", "n_layer", "n_head", "n_embd", "block_size",
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
@@ -161,7 +166,7 @@ class GRPOConfig:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         non_negative = ["lr", "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "beta",
                         "epsilon_low", "epsilon_high", "top_k", "sft_steps", "num_threads",
-                        "min_plies", "rft_num_prompts", "rft_sft_steps", "rft_lr"]
+                        "rft_num_prompts", "rft_sft_steps", "rft_lr"]
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -177,9 +182,6 @@ class GRPOConfig:
         if not 0 <= self.reward_max_fail_frac <= 1:
             raise ConfigError(f"reward_max_fail_frac: must be in [0, 1], "
                               f"got {self.reward_max_fail_frac}")
-        if self.max_plies < self.min_plies:
-            raise ConfigError(f"max_plies: must be >= min_plies ({self.min_plies}), "
-                              f"got {self.max_plies}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd: must be divisible by n_head ({self.n_head}), "
                               f"got {self.n_embd}")
@@ -189,6 +191,9 @@ class GRPOConfig:
             raise ConfigError("resume: must be auto, never or a checkpoint path")
         if self.rewards is not None:
             _check_rewards(self.rewards)
+        from mini_grpo.tasks import resolve_task_args  # the task validates its own options
+
+        self.task_args = resolve_task_args(self.task, self.task_args)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -209,7 +214,7 @@ ENV_VARS: dict[str, str] = {
     "OFFLOAD_REFERENCE": "offload_reference",
     "FUSED_OPTIMIZER": "fused_optimizer",
     "COMPILE_MODE": "compile_mode",
-    "PARALLEL_REWARDS": "parallel_rewards",
+    "PARALLEL_REWARDS": "parallel_rewards",  # legacy switch: false = reward_executor serial
     "REWARD_EXECUTOR": "reward_executor",
     "NUM_WORKERS": "num_reward_workers",
     "NUM_THREADS": "num_threads",
@@ -236,19 +241,35 @@ def _check_rewards(rewards: Any) -> None:
             raise ConfigError(f"rewards[{i}]: unknown key {sorted(extra)[0]!r} "
                               f"(allowed: name, weight)")
         w = r.get("weight", 1.0)
-        if isinstance(w, bool) or not isinstance(w, (int, float)):
-            raise ConfigError(f"rewards[{i}].weight: must be a number, got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"rewards[{i}].weight: must be a finite number, got {w!r}")
 
 
-def _unknown_key(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+def _unknown_key(key: str, where: str, known=None) -> ConfigError:
+    if key in LEGACY_TASK_ARGS and known is None:
+        return ConfigError(f"{where}{key}: moved into the task's arguments: write "
+                           f"task_args: {{{key}: ...}} in YAML, or --task_args.{key}=...")
+    close = difflib.get_close_matches(key, list(known or _FIELDS), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"{where}unknown key '{key}'{hint}")
 
 
-def _coerce(key: str, value: Any, where: str = "") -> Any:
+def coerce_fields(schema, values: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """A mapping checked against a dataclass's typed fields (unknown keys and bad values
+    name the key): how tasks validate `task_args` with the config's own rules."""
+    hints = typing.get_type_hints(schema)
+    known = [f.name for f in dataclasses.fields(schema)]
+    out = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise _unknown_key(str(key), where, known)
+        out[key] = _coerce(key, value, where, hints[key])
+    return out
+
+
+def _coerce(key: str, value: Any, where: str = "", tp: Any = None) -> Any:
     """Checks `value` against the field's type; strings (env, CLI) are parsed first."""
-    tp = _TYPES[key]
+    tp = _TYPES[key] if tp is None else tp
     optional = False
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -289,10 +310,15 @@ def _coerce(key: str, value: Any, where: str = "") -> Any:
     if tp is float:
         if isinstance(value, str):
             try:
-                return float(value.strip())
+                value = float(value.strip())
             except ValueError:
                 raise bad from None
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
+            return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
             return float(value)
         raise bad
     if tp is str:
@@ -304,8 +330,8 @@ def _coerce(key: str, value: Any, where: str = "") -> Any:
         if isinstance(value, str) and value.strip() in choices:
             return value.strip()
         raise ConfigError(f"{where}{key}: must be one of {', '.join(choices)}, got {value!r}")
-    if tp is list:
-        if isinstance(value, list):
+    if tp in (list, dict):
+        if isinstance(value, tp):
             return value
         raise bad
     raise TypeError(f"config field {key} has an unsupported type {tp}")
@@ -313,7 +339,7 @@ def _coerce(key: str, value: Any, where: str = "") -> Any:
 
 def _type_name(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            list: "a list"}.get(tp, str(tp))
+            list: "a list", dict: "a mapping"}.get(tp, str(tp))
 
 
 def resolve_config_path(name: str) -> Path:
@@ -371,29 +397,64 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str]]:
     return config, overrides
 
 
+# options that moved into chess_fen's task_args; checkpoints saved before carry them on top
+LEGACY_TASK_ARGS = ("num_train", "min_plies", "max_plies", "move_format", "pgn_path")
+
+
+class _Layers:
+    """Config values gathered layer by layer (later layers win); `task_args.KEY` merges into
+    the task_args mapping, and the legacy switch `parallel_rewards` maps onto
+    reward_executor (false: serial; true: a pool, process unless one is chosen)."""
+
+    def __init__(self):
+        self.values: dict[str, Any] = {}
+
+    def set(self, key: str, value: Any, where: str) -> None:
+        if key.startswith("task_args."):
+            self.values.setdefault("task_args", {})[key.partition(".")[2]] = value
+            return
+        if key == "parallel_rewards":
+            on = _coerce(key, value, where, bool)
+            current = self.values.get("reward_executor", _FIELDS["reward_executor"].default)
+            self.values["reward_executor"] = ("process" if current == "serial" else current) \
+                if on else "serial"
+            return
+        if key not in _FIELDS:
+            raise _unknown_key(key, where)
+        value = _coerce(key, value, where)
+        if key == "task_args":  # a mapping replaces the keys it names, not the whole set
+            value = {**self.values.get("task_args", {}), **value}
+        self.values[key] = value
+
+
 def load_config(config: str | None = None, overrides: dict[str, Any] | None = None,
-                env: dict[str, str] | None = None) -> GRPOConfig:
-    """Builds the config from defaults < YAML < environment < overrides, then validates it."""
-    values: dict[str, Any] = {}
+                env: dict[str, str] | None = None, base: dict[str, Any] | None = None,
+                base_where: str = "") -> GRPOConfig:
+    """Builds the config from defaults < `base` (a checkpoint's stored config, checked like
+    any other layer) < YAML < environment < overrides, then validates it."""
+    layers = _Layers()
+    for key, value in (base or {}).items():
+        if key in LEGACY_TASK_ARGS:  # saved before task_args existed
+            key = f"task_args.{key}"
+        layers.set(key, value, f"{base_where}config key ")
     if config:
         path = resolve_config_path(config)
-        for key, (value, line) in _read_yaml(path).items():
-            where = f"{path}:{line}: "
-            if key not in _FIELDS:
-                raise _unknown_key(key, where)
-            values[key] = _coerce(key, value, where)
+        rows = _read_yaml(path)
+        for key, (value, line) in rows.items():
+            layers.set(key, value, f"{path}:{line}: ")
     env = os.environ if env is None else env
     for var, key in ENV_VARS.items():
         if var in env:
-            values[key] = _coerce(key, env[var], f"environment variable {var}: ")
+            layers.set(key, env[var], f"environment variable {var}: ")
     for key, value in (overrides or {}).items():
-        if key not in _FIELDS:
-            raise _unknown_key(key, "command line: ")
-        values[key] = _coerce(key, value, "command line: --")
-    cfg = GRPOConfig(**values)
+        layers.set(key, value, "command line: --")
+    cfg = GRPOConfig(**layers.values)
     cfg.validate()
+    if config and not _read_yaml(path):
+        print(f"[mini-grpo] note: {path} sets nothing: every key takes its default",
+              file=sys.stderr)
     return cfg
 
 
-__all__ = ["GRPOConfig", "ConfigError", "ENV_VARS", "load_config", "parse_cli",
+__all__ = ["GRPOConfig", "ConfigError", "ENV_VARS", "coerce_fields", "load_config", "parse_cli",
            "resolve_config_path"]

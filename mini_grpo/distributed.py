@@ -73,6 +73,32 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def reduce_named(sums: dict, maxes: dict | None = None) -> dict:
+    """{name: sum over ranks} and {name: max over ranks} from ONE collective (an all-gather of
+    every value, flattened into one vector), read back with one host sync. Values are numbers
+    or tensors; a tensor with dimensions comes back as a list."""
+    maxes = maxes or {}
+    values = [*sums.values(), *maxes.values()]
+    dev = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    parts = [torch.as_tensor(v, device=dev).detach().double().reshape(-1) for v in values]
+    vec = torch.cat(parts)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() != "nccl":
+            vec = vec.cpu()
+        out = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, vec)
+        every = torch.stack(out)
+        n = sum(p.numel() for p in parts[:len(sums)])
+        vec = torch.cat([every[:, :n].sum(0), every[:, n:].amax(0)])
+    flat, i, result = vec.tolist(), 0, {}
+    for name, v, part in zip([*sums, *maxes], values, parts):
+        k = part.numel()
+        vector = isinstance(v, torch.Tensor) and v.dim() > 0
+        result[name] = flat[i:i + k] if vector else flat[i]
+        i += k
+    return result
+
+
 class CommTimer:
     """A DDP communication hook that all-reduces gradient buckets as DDP does by default and
     sums the seconds from each bucket's launch to its completion (overlapping buckets overlap
@@ -123,9 +149,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def cleanup() -> None:
-    """Waits for every rank, then tears the process group down."""
+def cleanup(wait: bool = True) -> None:
+    """Waits for every rank (`wait`), then tears the process group down. A rank that fails
+    must not wait: the others may be stuck in a collective it will never join, and torchrun
+    stops them once this process exits."""
     if dist.is_initialized():
-        if dist.get_world_size() > 1:
+        if wait and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Held-out evaluation: greedy and sampled completions scored with the run's rewards.
 
-Reports mean total reward (with its standard error), mean per plugin, exact-match rate,
-valid-FEN rate (chess tasks), mean completion length, and the same by ply bucket where the
-examples carry a "plies" field.
+Reports mean total reward (with its standard error), mean per plugin, exact-match rate (the
+`exact_match` reward's definition: equal up to surrounding whitespace), mean completion length,
+and whatever the task adds through its hooks (tasks/__init__.py): per-row columns such as
+chess's valid-FEN rate, and the same figures per bucket (chess: ply ranges). Knows no task.
 """
 
 from __future__ import annotations
@@ -12,75 +13,66 @@ import math
 import numpy as np
 import torch
 
-from .precision import autocast
-from .rewards import resolve_reward
+from .rewards.text import exact_match
 from .rollout import sample
 
-PLY_BUCKETS = ((2, 4), (5, 8), (9, 12))
 
-
-def _summary(total, columns, exact, valid, lengths) -> dict[str, float]:
+def _summary(total, columns: dict, lengths) -> dict[str, float]:
     n = len(total)
     out = {"reward": float(np.mean(total)),
-           "reward_se": float(np.std(total, ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
-           "exact": float(np.mean(exact)), "length": float(np.mean(lengths)), "n": n}
-    if valid is not None:
-        out["valid_fen"] = float(np.mean(valid))
+           "reward_se": float(np.std(total, ddof=1) / math.sqrt(n)) if n > 1 else 0.0}
     for name, col in columns.items():
-        out[f"reward/{name}"] = float(np.mean(col))
+        out[name] = float(np.mean(col))
+    out["length"] = float(np.mean(lengths))
+    out["n"] = n
     return out
 
 
 @torch.no_grad()
-def evaluate(model, tok, examples, scorer, cfg, device, greedy: bool, batch_size: int = 256,
-             seed: int = 0) -> dict:
-    """Samples one completion per held-out example and scores it; returns a flat dict."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def evaluate(run, greedy: bool, seed: int = 0, batch_size: int = 256, amp: bool = True) -> dict:
+    """One completion per held-out example of run.task, scored; returns a flat dict."""
+    cfg, task, examples = run.cfg, run.task, run.task.eval
+    gen = torch.Generator(device=run.device).manual_seed(seed)
     texts, lengths = [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        with autocast(cfg, device, generation=True):
-            r = sample(model, tok, [ex.prompt for ex in chunk], cfg.max_new_tokens,
+        with run.precision.autocast(generation=True, enabled=amp):
+            r = sample(run.model, run.tok, [ex.prompt for ex in chunk], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        greedy=greedy, generator=gen)
         texts += r.texts
         lengths += r.completion_mask.sum(1).tolist()
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
-    metas = [ex.meta for ex in examples]
-    res = scorer.score(prompts, texts, targets, metas)
-    exact = np.array([t == g for t, g in zip(texts, targets)], dtype=float)
-    valid = None
-    if cfg.task == "chess_fen":
-        valid = np.asarray(resolve_reward("fen_valid")(prompts, texts, targets, metas), float)
-    out = _summary(res.total, res.columns, exact, valid, np.asarray(lengths, float))
-    plies = np.array([ex.meta.get("plies", -1) for ex in examples])
-    for lo, hi in PLY_BUCKETS:
-        sel = (plies >= lo) & (plies <= hi)
-        if sel.any():
-            sub = _summary(res.total[sel], {k: v[sel] for k, v in res.columns.items()},
-                           exact[sel], None if valid is None else valid[sel],
-                           np.asarray(lengths, float)[sel])
-            for k in ("reward", "exact", "valid_fen", "n"):
-                if k in sub:
-                    out[f"plies_{lo}-{hi}/{k}"] = sub[k]
+    res = run.scorer.score(prompts, texts, targets, [ex.meta for ex in examples])
+    columns = {"exact": np.asarray(exact_match(prompts, texts, targets, []), dtype=float)}
+    if task.eval_columns is not None:
+        columns.update(task.eval_columns(examples, texts))
+    columns.update({f"reward/{k}": v for k, v in res.columns.items()})
+    lengths = np.asarray(lengths, dtype=float)
+    out = _summary(res.total, columns, lengths)
+    if task.eval_bucket is not None:
+        buckets = np.array([task.eval_bucket(ex) or "" for ex in examples])
+        keep = {"reward", "n", *(k for k in columns if not k.startswith("reward/"))}
+        for name in sorted(set(buckets) - {""}):
+            sel = buckets == name
+            sub = _summary(res.total[sel], {k: v[sel] for k, v in columns.items()}, lengths[sel])
+            out.update({f"{name}/{k}": v for k, v in sub.items() if k in keep})
     out["samples"] = [{"prompt": p, "target": t, "completion": c}
                       for p, t, c in list(zip(prompts, targets, texts))[:4]]
     return out
 
 
-START_FEN = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"
-
-
-def trivial_baselines(examples, scorer, task_name: str) -> dict[str, float]:
+def trivial_baselines(task, scorer) -> dict[str, float]:
     """Mean reward of answers that ignore the moves, under the run's own reward: a policy
     must beat these, or its gain may be a collapse onto a template."""
+    examples = task.eval
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
     metas = [ex.meta for ex in examples]
     answers = {"empty": [""] * len(examples), "prompt_copy": prompts}
-    if task_name == "chess_fen":
-        answers["start_fen"] = [START_FEN] * len(examples)
+    answers.update({name: [fn(ex) for ex in examples]
+                    for name, fn in task.trivial_answers.items()})
     return {name: float(scorer.score(prompts, texts, targets, metas).total.mean())
             for name, texts in answers.items()}
 

@@ -1,4 +1,4 @@
-"""The GRPO algorithm as pure tensor functions: advantages, token log-probs, the loss.
+"""The GRPO algorithm as pure tensor functions: advantages and the loss.
 
 Shapes: B sequences (prompts x group size, flattened group-major), T completion tokens, V vocab.
 
@@ -11,7 +11,14 @@ Loss variants are parameters, not switches spread through the trainer:
                  dr_grpo: sum over all tokens / (sequences x max_new_tokens)
 Per token: clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with
 r = exp(logp - old_logp), plus beta * KL(pi || ref) with the k3 estimator
-exp(ref - logp) - (ref - logp) - 1.
+exp(ref - logp) - (ref - logp) - 1. Both exponents are masked before the exponential: at a
+padded position the reference log-prob is 0 and the policy's may be -95, and exp(95) = inf
+times a 0 mask is NaN, in the loss and in its gradient.
+
+The group std is the population std (divide by G), not the sample std TRL and verl use (divide
+by G - 1, advantages x0.94 at G = 8): with it a group's advantages have exactly unit variance,
+and the default learning rate was tuned with it. Only the scale of the advantages differs,
+which the learning rate absorbs.
 
 The normalisers (`num_seqs`, `num_tokens`) are for the *global* batch, so summing the losses of
 micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
@@ -20,7 +27,6 @@ micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
@@ -46,14 +52,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return a.view(-1), zero_spread
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """logits (B, T, V), tokens (B, T) -> (logp (B, T), entropy (B, T)), in fp32."""
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -69,19 +67,19 @@ def grpo_loss(logp, old_logp, adv, mask, *, ref_logp=None, beta: float = 0.0,
     Returns (loss, stats): stats are detached 0-d tensors, token means of kl, clip_low,
     clip_high, ratio and entropy over this batch.
     """
-    m = mask.float()
+    keep, m = mask.bool(), mask.float()
     num_seqs = logp.size(0) if num_seqs is None else num_seqs
     num_tokens = m.sum() if num_tokens is None else num_tokens
     A = adv[:, None]  # (B, 1)
-    ratio = torch.exp(logp - old_logp)  # (B, T)
+    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))  # (B, T), 1 where masked
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.min(ratio * A, clipped * A)
     kl = None
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+        d = torch.where(keep, ref_logp - logp, 0.0)
+        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0; 0 where masked
         per_token = per_token + beta * kl
 
     if agg == "grpo":

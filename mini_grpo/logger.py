@@ -19,6 +19,8 @@ class RunLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.jsonl = open(self.out_dir / "metrics.jsonl", "a")
+        self.console = sys.stdout  # where progress lines go (benchmark.py: stderr)
+        self.prefix = ""  # put before each progress line
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -56,8 +58,8 @@ class RunLogger:
         per_step = (time.perf_counter() - self.t0) / max(done, 1)
         eta = per_step * (self.total_steps - step)
         parts = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-        print(f"step {step}/{self.total_steps} {parts} | {per_step:.2f}s/step "
-              f"ETA {eta / 60:.1f}m", file=sys.stdout, flush=True)
+        print(f"{self.prefix}step {step}/{self.total_steps} {parts} | {per_step:.2f}s/step "
+              f"ETA {eta / 60:.1f}m", file=self.console, flush=True)
 
     def close(self) -> None:
         self.jsonl.close()

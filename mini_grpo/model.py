@@ -277,5 +277,5 @@ class GPT(nn.Module):
                 x = block(x, shared=s)
         # completion token 0 is predicted at the prompt's last column, token t at input t-1
         last = x[:U * P].view(U, P, -1)[:, -1][prompt_index][:, None]  # (B, 1, C)
-        x = torch.cat([last, x[U * P:].view(B, m, -1)], 1)  # (B, N, C)
+        x = torch.cat([last, x[U * P:].view(B, m, x.size(-1))], 1)  # (B, N, C); m may be 0
         return self.lm_head(self.ln_f(x))

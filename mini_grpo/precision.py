@@ -1,4 +1,11 @@
-"""Autocast, TF32 and thread set-up from the config, for CUDA and CPU alike."""
+"""Device, autocast, TF32 and thread set-up from the config, for CUDA and CPU alike.
+
+`Precision` holds the autocast dtypes in force for training passes and for sampling, resolved
+once at start. An `auto` that depends on the machine is decided by a short probe on the
+model's own shapes (`probe_dtypes`), logged with its figures: on a Xeon with AMX bf16 sampling
+was faster than fp32, on an AMD Zen4 (AVX-512 BF16, no AMX) 1.5x slower, so the device type
+alone cannot decide.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +14,20 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
 import warnings
 
 import torch
 
-from .config import GRPOConfig
+from .config import ConfigError, GRPOConfig
 
 
 def resolve_device(cfg: GRPOConfig, local_rank: int = 0) -> torch.device:
     if cfg.device == "auto":
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device={cfg.device} but CUDA is not available")
+        raise ConfigError(f"device: {cfg.device} asked for, but CUDA is not available here "
+                          f"(use device: auto or cpu)")
     return torch.device(cfg.device)
 
 
@@ -27,11 +36,6 @@ def _cpu_has_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
-
-
-def amp_dtype(cfg: GRPOConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype in force, or None for fp32."""
-    return _dtype(cfg.amp_dtype, device) if cfg.use_amp else None
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -46,15 +50,101 @@ def _dtype(name: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if _cpu_has_bf16() else None
 
 
-def autocast(cfg: GRPOConfig, device: torch.device, generation: bool = False):
-    """Context manager for forward passes: autocast when AMP is on, else a no-op.
-    `generation=True` marks sampling, which follows `generation_amp`."""
-    dtype = amp_dtype(cfg, device)
-    if generation and cfg.generation_amp != "auto":
-        dtype = _dtype(cfg.amp_dtype, device) if cfg.generation_amp == "on" else None
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+class Precision:
+    """Autocast dtypes for training passes (`dtype`) and sampling (`generation_dtype`); None
+    means fp32. `enabled=False` at a call site (the guard's amp_off rung) forces fp32."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype | None,
+                 generation_dtype: torch.dtype | None, probe: dict | None = None):
+        self.device, self.dtype, self.generation_dtype = device, dtype, generation_dtype
+        self.probe = probe or {}  # the measured figures behind an `auto`, for the log
+
+    def autocast(self, generation: bool = False, enabled: bool = True):
+        dtype = self.generation_dtype if generation else self.dtype
+        if dtype is None or not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def scaler(self, enabled: bool = True) -> torch.amp.GradScaler:
+        """Loss scaling for float16 autocast only (bf16 and fp32 have fp32's range); disabled
+        otherwise, in which case its calls pass straight through."""
+        return torch.amp.GradScaler(self.device.type,
+                                    enabled=enabled and self.dtype == torch.float16)
+
+    def describe(self) -> str:
+        name = lambda d: str(d).replace("torch.", "") if d is not None else "fp32"
+        text = f"autocast {name(self.dtype)}, sampling {name(self.generation_dtype)}"
+        if self.probe:
+            text += " (probe: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                             self.probe.items()) + ")"
+        return text
+
+
+def resolve_precision(cfg: GRPOConfig, device: torch.device, model=None) -> Precision:
+    """The config's precision for this machine. On a CPU with bf16 units, `amp_dtype: auto`
+    and `generation_amp: auto` are decided by `probe_dtypes` on `model`: bf16 where it ran
+    faster than fp32, else fp32."""
+    dtype = _dtype(cfg.amp_dtype, device) if cfg.use_amp else None
+    auto_train = cfg.use_amp and cfg.amp_dtype == "auto"
+    if cfg.generation_amp == "auto":
+        gen = dtype
+    else:
+        gen = _dtype(cfg.amp_dtype, device) if cfg.generation_amp == "on" else None
+    probe = {}
+    if device.type == "cpu" and model is not None and (
+            (auto_train and dtype == torch.bfloat16)
+            or (cfg.generation_amp == "auto" and gen == torch.bfloat16)):
+        probe = probe_dtypes(model, cfg.block_size,
+                             bf16_attn="manual" if cfg.attn_impl == "auto" else cfg.attn_impl)
+        if auto_train and probe["train_bf16"] > probe["train_fp32"]:
+            dtype = None
+        if cfg.generation_amp == "auto" and gen is not None:
+            gen = torch.bfloat16 if probe["sample_bf16"] < probe["sample_fp32"] else None
+    return Precision(device, dtype, gen, probe)
+
+
+def probe_dtypes(model, block_size: int, batch: int = 4, reps: int = 2,
+                 bf16_attn: str = "manual") -> dict[str, float]:
+    """Seconds of a forward+backward (batch x 32 tokens) and of 8 cached sampling steps
+    (batch x 4 rows) under fp32 and bf16, median of `reps` after a warm-up, alternating; the
+    bf16 training pass uses the attention `attn_impl: auto` would pick under bf16 (manual).
+    Every rank gets the same figures (the sum over ranks), so all decide alike."""
+    from . import distributed as D
+    from .rollout import generate
+
+    T = max(2, min(32, block_size - 9))
+    g = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, init) alone
+    x = torch.randint(4, model.cfg.vocab_size, (batch, T), generator=g)
+    prompts = x[:, :T // 2].tolist() * 4
+    was_training = model.training
+
+    impl = model.attn_impl
+
+    def train(dtype):
+        model.train()
+        model.attn_impl = impl if dtype is None else bf16_attn
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        model.attn_impl = impl
+
+    def sample(dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            generate(model, prompts, 8, eos_id=-1, pad_id=0, greedy=True)
+
+    times: dict[str, list[float]] = {}
+    for rep in range(reps + 1):
+        for name, fn in (("train", train), ("sample", sample)):
+            for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+                t0 = time.perf_counter()
+                fn(dtype)
+                if rep:  # the first round warms up
+                    times.setdefault(f"{name}_{label}", []).append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    keys = sorted(times)
+    med = torch.tensor([sorted(times[k])[len(times[k]) // 2] for k in keys], dtype=torch.float64)
+    return dict(zip(keys, D.all_reduce_sum(med).tolist()))
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
@@ -95,12 +185,6 @@ def setup_backends(cfg: GRPOConfig, local_world_size: int = 1) -> int:
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
-
-
-def grad_scaler(cfg: GRPOConfig, device: torch.device) -> torch.amp.GradScaler:
-    """Loss scaling for float16 autocast only (bf16 and fp32 have fp32's range); disabled
-    otherwise, in which case its calls pass straight through."""
-    return torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg, device) == torch.float16)
 
 
 class _CompiledWithFallback(torch.nn.Module):

@@ -13,7 +13,7 @@ import copy
 import torch
 from torch.func import functional_call
 
-from .rollout import completion_logprobs
+from .logprobs import completion_logprobs
 
 
 class _Streamed(torch.nn.Module):
@@ -46,7 +46,7 @@ class Reference:
     def logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask,
                  temperature: float = 1.0, prompt_index=None) -> torch.Tensor:
         """(B, N) fp32 log-probs of the completion tokens under the reference policy
-        (`prompt_index`: see rollout.completion_logprobs)."""
+        (`prompt_index`: see logprobs.completion_logprobs)."""
         args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                 prompt_index)
         if not self.offload:

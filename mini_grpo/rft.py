@@ -29,7 +29,6 @@ import torch
 
 from . import distributed as D
 from .data import shard
-from .precision import autocast
 from .rollout import sample
 
 
@@ -54,9 +53,10 @@ def _read_done(path: Path) -> set[str]:
 
 
 @torch.no_grad()
-def generate_rft_data(model, tok, examples, scorer, cfg, device, dist: D.DistInfo,
-                      output: str | Path) -> dict:
+def generate_rft_data(run, examples, output: str | Path) -> dict:
     """Writes the accepted completions of `examples` to `output`; returns the summary."""
+    model, tok, scorer, cfg, device, dist = (run.model, run.tok, run.scorer, run.cfg,
+                                             run.device, run.dist)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     prompts = list(dict.fromkeys(ex.prompt for ex in examples))  # distinct, in split order
@@ -81,7 +81,7 @@ def generate_rft_data(model, tok, examples, scorer, cfg, device, dist: D.DistInf
         for i in range(0, len(todo), B):
             batch = todo[i:i + B]
             rows = [p for p in batch for _ in range(K)]
-            with autocast(cfg, device, generation=True):
+            with run.precision.autocast(generation=True):
                 r = sample(model, tok, rows, cfg.max_new_tokens, temperature=cfg.temperature,
                            top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)
             exs = [first[p] for p in rows]

@@ -1,7 +1,10 @@
 """Supervised warm start: teacher forcing on prompt -> target, loss on target tokens only.
 
-Its checkpoints live in <out_dir>/sft/; GRPO starts from the last one (policy and reference).
-A finished SFT stage is not repeated when the run is restarted.
+Its checkpoint lives in <out_dir>/sft/; GRPO starts from it (policy and reference). A finished
+stage is reused when the job is restarted, but only when the options it was trained with
+(STAGE_KEYS) are the same and its weights are finite; otherwise it is trained again, and the
+console says why. The same NaN/Inf guard as GRPO's skips non-finite steps (AMP off, lr halved,
+stop), and a stage whose weights end non-finite is never saved.
 """
 
 from __future__ import annotations
@@ -14,37 +17,64 @@ import torch.nn.functional as F
 
 from . import distributed as D
 from .checkpoint import latest_checkpoint, save_checkpoint
-from .config import GRPOConfig
 from .data import batch_indices, sft_batch, shard
+from .guards import Guard, NonFiniteError, params_finite
 from .optim import lr_at, make_optimizer, set_lr
-from .precision import autocast, grad_scaler
+
+# the options that shape a trained SFT stage: a stage saved with others is not reused
+STAGE_KEYS = ("task", "task_args", "data_path", "num_eval", "seed", "n_layer", "n_head",
+              "n_embd", "block_size", "dropout", "init_from", "sft_steps", "sft_batch_size",
+              "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "rft_sft_steps", "rft_lr",
+              "rft_oversample", "rft_min_reward", "rft_keep", "rft_num_prompts", "use_amp",
+              "amp_dtype")
 
 
-def sft_dir(cfg: GRPOConfig) -> Path:
+def sft_dir(cfg) -> Path:
     return Path(cfg.out_dir) / "sft"
 
 
-def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_model=None,
-              examples=None, steps=None, lr=None, directory=None, tag="sft"):
-    """Trains `model` in place, or loads the finished stage from disk.
+def stage_changes(saved: dict, cfg) -> list[str]:
+    """The STAGE_KEYS whose values differ between a saved stage's config and this one."""
+    now = cfg.to_dict()
+    return [k for k in STAGE_KEYS if saved.get(k) != now.get(k)]
+
+
+def _reusable(run, directory: Path, steps: int, tag: str):
+    """The finished stage's checkpoint state if it can be reused, else None (says why)."""
+    path, state = latest_checkpoint(directory)
+    if state is None or state.get("step") != steps:
+        return None
+    changed = stage_changes(state.get("config") or {}, run.cfg)
+    if changed:
+        run.print0(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
+        return None
+    if not all(torch.isfinite(v).all() for v in state["model"].values()
+               if torch.is_tensor(v) and v.is_floating_point()):
+        run.print0(f"[{tag}] not reusing {path}: its weights are not finite")
+        return None
+    run.print0(f"[{tag}] reusing finished stage from {path}")
+    return state
+
+
+def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"):
+    """Trains run.model in place, or loads the finished stage from disk.
 
     Defaults: the task's training split, cfg.sft_steps at cfg.sft_lr, into <out_dir>/sft.
     The RFT stage passes its accepted rows instead; a row with a "completion" in its metadata
     is trained on that completion, else on its target.
     """
-    examples = task.train if examples is None else examples
+    cfg, dist, model, device = run.cfg, run.dist, run.model, run.device
+    examples = run.task.train if examples is None else examples
     steps = cfg.sft_steps if steps is None else steps
     base_lr = cfg.sft_lr if lr is None else lr
     directory = sft_dir(cfg) if directory is None else Path(directory)
-    path, state = latest_checkpoint(directory)
-    if state is not None and state.get("step") == steps:
+    state = _reusable(run, directory, steps, tag)
+    if state is not None:
         model.load_state_dict(state["model"])
-        if dist.is_main:
-            print(f"[{tag}] reusing finished stage from {path}")
-        return path
-    net = ddp_model or model
+        return
     opt = make_optimizer(model, base_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
-    scaler = grad_scaler(cfg, device)
+    guard = Guard(cfg.guard_patience, amp=run.precision.dtype is not None, stage=tag.upper())
+    scaler = run.precision.scaler(guard.amp)
     warmup = min(cfg.warmup_steps * 5, steps // 10)
     model.train()
     t0, tokens = time.perf_counter(), 0
@@ -52,35 +82,51 @@ def train_sft(cfg, task, tok, model, device, dist: D.DistInfo, logger=None, ddp_
         idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)
         pairs = [(examples[i].prompt, examples[i].meta.get("completion", examples[i].target))
                  for i in shard(idx, dist.rank, dist.world_size)]
-        x, y = sft_batch(tok, pairs, device)
-        lr = lr_at(step, base_lr, warmup, steps)
+        x, y = sft_batch(run.tok, pairs, device)
+        lr = lr_at(step, base_lr, warmup, steps) * guard.lr_scale
         set_lr(opt, lr)
-        with autocast(cfg, device):
-            logits = net(x)
-        # mean over this rank's target tokens; ranks hold equal shares up to one row
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+        loss = sft_loss(run.net, x, y, lambda: run.precision.autocast(enabled=guard.amp))
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        scaler.step(opt)  # skips the step when fp16 gradients overflowed
-        scaler.update()
+        if guard.check(loss.detach(), loss.detach() if scaler.is_enabled() else gnorm,
+                       params_finite(model.parameters())):
+            scaler.step(opt)  # skips the step when fp16 gradients overflowed
+            scaler.update()
+        else:
+            amp = guard.amp
+            what = guard.fallback(False, lambda: "", where=f"step {step}")
+            if what:
+                run.print0(f"[{tag}] step {step}: {guard.patience} non-finite steps: {what}")
+            if guard.amp != amp:
+                scaler = run.precision.scaler(guard.amp)
         opt.zero_grad(set_to_none=True)
         tokens += x.numel()
         if dist.is_main and (step % cfg.log_every == 0 or step == steps):
             dt = time.perf_counter() - t0
             m = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(),
-                 "tokens_per_s": tokens * dist.world_size / dt}
-            if logger is not None:
-                logger.scalars(step, m, prefix=f"{tag}/")
+                 "tokens_per_s": tokens * dist.world_size / dt, "guard/skipped": guard.skipped}
+            if run.logger is not None:
+                run.logger.scalars(step, m, prefix=f"{tag}/")
             if step % max(cfg.log_every, 10) == 0 or step == steps:
                 eta = dt / step * (steps - step)
                 print(f"[{tag}] step {step}/{steps} loss {m['loss']:.4f} lr {lr:.2e} "
                       f"{m['tokens_per_s']:.0f} tok/s ETA {eta / 60:.1f}m", flush=True)
-    path = None
+    if not params_finite(model.parameters()):
+        raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
+                             f"(lr {base_lr:g} too high?); nothing was saved")
     if dist.is_main:
         state = {"kind": tag, "model": model.state_dict(), "step": steps,
-                 "config": cfg.to_dict(), "tokenizer": tok.chars}
+                 "config": cfg.to_dict(), "tokenizer": run.tok.chars}
         path = save_checkpoint(state, directory, steps, keep=1)
-        print(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
+        print(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}",
+              flush=True)
     D.barrier()
-    return path
+
+
+def sft_loss(net, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+    """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
+    shares up to one row."""
+    with autocast():
+        logits = net(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)

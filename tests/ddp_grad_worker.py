@@ -1,24 +1,22 @@
-"""Run by tests/test_distributed.py under `torchrun --standalone --nproc_per_node=2`.
+"""Run by tests/test_distributed.py twice: as plain `python` (one process, the whole batch) and
+under `torchrun --standalone --nproc_per_node=2` (each rank half the prompts, DDP).
 
-For one fixed rollout batch, each rank computes the DDP gradient of its half of the prompts
-and, beside it, the single-process gradient of the whole batch; rank 0 writes the largest
-difference per case (loss aggregation x reward scaling x passes) as JSON to argv[1].
+For one fixed rollout batch and each case (loss aggregation x reward scaling x passes), it
+computes the gradient with the trainer's own functions (advantages with the global
+normalisers, the micro-batch plan, policy_pass); rank 0 saves {case: [grad per parameter]}
+to argv[1] for the test to compare.
 """
 
-import copy
 import gc
-import json
 import sys
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
-from mini_grpo.grpo import group_advantages
 from mini_grpo.model import GPT, GPTConfig
-from mini_grpo.rollout import Rollout, pad_left
-from mini_grpo.trainer import accumulate_gradients
+from mini_grpo.rollout import Rollout, micro_batches, pad_left
+from mini_grpo.trainer import advantages, policy_pass
 
 PROMPTS, G, N = 4, 4, 12
 
@@ -50,25 +48,21 @@ def take(r: Rollout, rows: slice) -> Rollout:
                    r.completion_mask[rows], r.logprobs[rows], r.finished[rows])
 
 
-def gradient(net, r, rewards, ref_lp, cfg, world_size: int):
-    """The trainer's recipe: global normalisers, advantages, accumulate over micro-batches."""
-    n = torch.tensor([float(len(rewards)), rewards.sum(), rewards.square().sum(),
-                      float(r.completion_mask.sum())])
-    if world_size > 1:
-        D.all_reduce_sum(n)
-    mean = n[1] / n[0]
-    std = (n[2] / n[0] - mean**2).clamp(min=0).sqrt()
-    adv, _ = group_advantages(rewards, G, cfg.scale_rewards, batch_std=std)
+def gradient(net, r, rewards, ref_lp, cfg, world_size: int) -> None:
+    """The trainer's recipe: global normalisers, advantages, passes over micro-batches."""
+    batch = advantages(rewards, r.completion_mask, cfg)
+    batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)
+    old = None
     for _ in range(cfg.num_iterations):
-        accumulate_gradients(net, r, r.completion_mask, adv, ref_lp, cfg, n[0], n[3],
-                             world_size)
+        _, old = policy_pass(net, batches, batch, ref_lp, old, cfg, world_size)
 
 
 def main(out_path: str) -> None:
     dist = D.init()
     torch.set_num_threads(1)
-    half = slice(dist.rank * PROMPTS * G // 2, (dist.rank + 1) * PROMPTS * G // 2)
-    diffs = {}
+    W = dist.world_size
+    mine = slice(dist.rank * PROMPTS * G // W, (dist.rank + 1) * PROMPTS * G // W)
+    grads = {}
     for agg in ("grpo", "dapo", "dr_grpo"):
         for scale in ("group", "batch"):
             for iters in (1, 2):
@@ -79,20 +73,15 @@ def main(out_path: str) -> None:
                 torch.manual_seed(0)
                 model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2,
                                       n_embd=32))
-                single = copy.deepcopy(model)
                 r, rewards, ref_lp = make_batch(seed=1)
-                gradient(single, r, rewards, ref_lp, cfg, world_size=1)
-                ddp = DDP(model)
-                gradient(ddp, take(r, half), rewards[half], ref_lp[half], cfg,
-                         world_size=dist.world_size)
-                del ddp  # its reducer must not outlive the process group (abort at exit)
+                net, _ = D.wrap_ddp(model, torch.device("cpu"))
+                gradient(net, take(r, mine), rewards[mine], ref_lp[mine], cfg, W)
+                del net  # its reducer must not outlive the process group (abort at exit)
                 gc.collect()
-                diffs[f"{agg}/{scale}/iters{iters}"] = max(
-                    (a.grad - b.grad).abs().max().item()
-                    for a, b in zip(model.parameters(), single.parameters()))
+                grads[f"{agg}/{scale}/iters{iters}"] = [p.grad.clone()
+                                                        for p in model.parameters()]
     if dist.is_main:
-        with open(out_path, "w") as f:
-            json.dump(diffs, f, indent=1)
+        torch.save(grads, out_path)
     D.cleanup()
 
 

@@ -1,20 +1,68 @@
-"""benchmark.py end to end on the tiny config: its numbers are consistent, not its speed."""
+"""benchmark.py: its planner against a slow and a fast machine, and the command end to end on
+the tiny config. Its numbers are checked for consistency, never its speed."""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT))
+from benchmark import SECTIONS, Probe, Shape, estimate, plan  # noqa: E402
+
+# the production model's shape on the chess task: 70-token prompts, 80 new tokens, G = 16
+SHAPE = Shape(prompt_len=70, max_new_tokens=80, group_size=16)
+FAST = Probe(batch=8, fwd_token_s=2e-6, fwd_token_gen_s=2e-6, decode_step_s=2e-3)
+SLOW = Probe(batch=8, fwd_token_s=4e-4, fwd_token_gen_s=1.2e-3, decode_step_s=0.15)
+
+
+def test_planner_fits_the_budget_on_a_slow_and_a_fast_machine():
+    fast = plan(FAST, SHAPE, 600, SECTIONS, prompts_per_step=64)
+    # a fast machine gets every default size, and its estimate is under the budget
+    assert (fast.gen_batch, fast.repeats, fast.recompute_steps, fast.steps, fast.warmup,
+            fast.prompts_per_step) == (64, 5, 72, 5, 2, 64)
+    assert sum(fast.estimate_s.values()) <= 600 and not fast.notes
+    slow = plan(SLOW, SHAPE, 600, SECTIONS, prompts_per_step=64)
+    assert sum(estimate(SLOW, SHAPE, slow).values()) <= 600
+    assert sum(slow.estimate_s.values()) == sum(estimate(SLOW, SHAPE, slow).values())
+    # it shrank, and said what it extrapolates and cut
+    assert slow.recompute_steps < slow.new_tokens and slow.prompts_per_step < 64
+    assert any("extrapolated" in n for n in slow.notes)
+    assert any("prompts" in n for n in slow.notes)
+    # the full defaults on the slow machine would have taken far longer
+    full = plan(SLOW, SHAPE, None, SECTIONS, prompts_per_step=64)
+    assert sum(full.estimate_s.values()) > 10 * 600
+
+
+def test_planner_keeps_given_sizes_and_plans_only_the_asked_sections():
+    p = plan(SLOW, SHAPE, 60, ("generation",), fixed={"repeats": 4, "gen_batch": 32})
+    assert (p.repeats, p.gen_batch) == (4, 32) and set(p.estimate_s) == {"generation"}
+    tiny_budget = plan(SLOW, SHAPE, 1, SECTIONS, prompts_per_step=64)
+    assert any("over the 1 s budget" in n for n in tiny_budget.notes)  # says it cannot fit
 
 
 def bench(tmp_path, *args):
     out = tmp_path / "out.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config", "tiny",
                         "--json", str(out), *args], capture_output=True, text=True,
-                       timeout=600, cwd=tmp_path)
+                       timeout=600, cwd=tmp_path, env=clean_env())
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text()), r
+
+
+def test_budgeted_run_prints_its_plan_and_progress_and_records_the_sizes(tmp_path):
+    res, r = bench(tmp_path, "--budget_s", "30", "--only", "generation")
+    err = r.stderr.splitlines()
+    assert any(line.startswith("[bench] plan (budget 30s): generation ~") for line in err)
+    assert err.index(next(x for x in err if x.startswith("[bench] plan"))) < \
+        err.index(next(x for x in err if x.startswith("[bench] generation 0/")))  # plan first
+    progress = [x for x in err if x.startswith("[bench] generation ")]
+    assert len(progress) >= 4 and "\r" not in r.stderr  # plain lines: stderr is no terminal
+    assert all("elapsed" in x and "ETA" in x for x in progress)
+    g, p = res["generation"], res["plan"]
+    assert (g["batch"], g["repeats"], g["new_tokens"]) == (p["gen_batch"], p["repeats"],
+                                                           p["new_tokens"])
+    assert res["probe"]["fwd_token_s"] > 0 and res["cpu"]
 
 
 def test_step_section_reports_consistent_phases_tokens_and_mfu(tmp_path):
@@ -32,13 +80,7 @@ def test_step_section_reports_consistent_phases_tokens_and_mfu(tmp_path):
     m = s["mfu"]
     assert m["peak_gflops_measured"] > 0 and 0 < m["mfu_policy"] <= 1 and 0 < m["mfu_step"] <= 1
     assert "GRPO step" in r.stdout and "MFU" in r.stdout
-
-
-def test_gpu_sized_config_is_scaled_down_on_cpu_and_compare_reads_results(tmp_path):
-    res, r = bench(tmp_path, "--only", "step", "--warmup", "1", "--steps", "1",
-                   "--prompts_per_step=64", "--group_size=4")
-    assert "scaled down" in r.stderr
-    assert res["step"]["prompts_per_step"] == 16  # 64 sequences
+    assert "[bench] step section (1 warm-up + 2 timed" in r.stderr  # the loop's progress
     a = tmp_path / "a.json"
     a.write_text(json.dumps(res))
     c = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--compare", str(a),

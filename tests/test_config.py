@@ -121,3 +121,45 @@ def test_every_shipped_config_loads_and_opens_with_its_launch_command():
         assert cfg.out_dir.startswith("runs/"), path
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and path.stem in first, path
+
+
+def test_shipped_configs_list_only_what_differs_from_the_defaults():
+    defaults = GRPOConfig().to_dict()
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        for key, value in (yaml.safe_load(path.read_text()) or {}).items():
+            if key == "out_dir":
+                continue
+            if key == "task_args":
+                default_args = load_config(None, env={}).task_args
+                same = [k for k, v in value.items() if default_args.get(k) == v]
+                assert not same, (path.name, same)
+                continue
+            assert defaults[key] != value, (path.name, key)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--lr=nan"], "lr: must be a finite number"),
+    (["--beta=inf"], "beta: must be a finite number"),
+    (["--temperature=NaN"], "temperature: must be a finite number"),
+    (["--dist_timeout=1e999"], "dist_timeout: must be a finite number"),
+    (["--rewards=[{name: levenshtein, weight: .nan}]"], "rewards[0].weight: must be a finite"),
+])
+def test_non_finite_values_are_rejected_naming_the_key(args, needle):
+    r = run_entry("--config", "tiny", *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_parallel_rewards_still_switches_the_executor():
+    assert load_config(None, env={"PARALLEL_REWARDS": "false"}).reward_executor == "serial"
+    assert load_config(None, {"parallel_rewards": "false"}, env={}).reward_executor == "serial"
+    on = load_config(None, {"reward_executor": "serial", "parallel_rewards": "true"}, env={})
+    assert on.reward_executor == "process"  # a pool again
+    kept = load_config(None, {"reward_executor": "thread"}, env={"PARALLEL_REWARDS": "on"})
+    assert kept.reward_executor == "thread"
+
+
+def test_an_empty_config_file_says_so(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here yet\n")
+    r = run_entry("--config", str(empty), "--print-config")
+    assert r.returncode == 0 and "sets nothing: every key takes its default" in r.stderr

@@ -1,47 +1,33 @@
 """Multi-process training under torchrun on CPU (gloo, loopback, --standalone free ports)."""
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, clean_env, torchrun
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def env(**extra):
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("USE_AMP", "MAX_STEPS", "MINI_GRPO_FAULT", "OUT_DIR", "RANK",
-                      "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-    return e
-
-
-def torchrun(*args, extra_env=None, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=env(**(extra_env or {})), timeout=timeout)
-
-
 # tiny GRPO run: 2 ranks x 2 prompts x 4 completions; checkpoints at steps 2 and 4
 TINY = ["--config", "tiny", "--mode=grpo", "--num_eval=8", "--max_steps=4", "--save_every=2",
-        "--parallel_rewards=false", "--num_threads=1"]
+        "--num_threads=1"]
 
 
 def test_two_ranks_compute_the_single_process_gradient(tmp_path):
-    out = tmp_path / "diffs.json"
-    r = torchrun(str(ROOT / "tests" / "ddp_grad_worker.py"), str(out))
+    worker = str(ROOT / "tests" / "ddp_grad_worker.py")
+    one = subprocess.run([sys.executable, worker, str(tmp_path / "one.pt")], cwd=ROOT,
+                         capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    r = torchrun(worker, str(tmp_path / "two.pt"))
     assert r.returncode == 0, r.stderr[-3000:]
-    diffs = json.loads(out.read_text())
-    assert len(diffs) == 12  # 3 aggregations x 2 reward scalings x 1-2 passes
-    for case, d in diffs.items():
+    single, ddp = (torch.load(tmp_path / f"{n}.pt") for n in ("one", "two"))
+    assert len(single) == 12  # 3 aggregations x 2 reward scalings x 1-2 passes
+    for case in single:
+        assert any(g.abs().max() > 0 for g in single[case]), case  # a real gradient
+        d = max((a - b).abs().max().item() for a, b in zip(single[case], ddp[case]))
         assert d < 1e-6, (case, d)
 
 
@@ -63,9 +49,9 @@ def test_torchrun_end_to_end_writes_one_set_of_logs_and_checkpoints(tmp_path):
 def test_train_sh_with_amp_and_two_processes(tmp_path):
     out = tmp_path / "sh"
     r = subprocess.run(["bash", "train.sh", "--mode=grpo", "--num_eval=8", "--max_steps=2",
-                        "--parallel_rewards=false", "--num_threads=1"],
+                        "--num_threads=1"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=env(USE_AMP="true", AMP_DTYPE="bfloat16", NPROC="2", CONFIG="tiny",
+                       env=clean_env(USE_AMP="true", AMP_DTYPE="bfloat16", NPROC="2", CONFIG="tiny",
                                OUT_DIR=str(out), PYTHON=sys.executable))
     assert r.returncode == 0, r.stderr[-3000:]
     saved = (out / "config.yaml").read_text()

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from mini_grpo.grpo import group_advantages, grpo_loss, token_logprobs
+from mini_grpo.grpo import group_advantages, grpo_loss
+from mini_grpo.logprobs import completion_logprobs
 
 
 def test_group_advantages_by_hand():
@@ -113,9 +114,33 @@ def test_global_normalisers_make_micro_batches_sum_to_the_whole():
         torch.testing.assert_close(parts, whole)
 
 
-def test_token_logprobs_and_entropy():
-    # uniform over 4 tokens: logp = -ln 4, entropy = ln 4
-    logits = torch.zeros(1, 2, 4)
-    logp, ent = token_logprobs(logits, torch.tensor([[0, 3]]))
-    torch.testing.assert_close(logp, torch.full((1, 2), -math.log(4)))
-    torch.testing.assert_close(ent, torch.full((1, 2), math.log(4)))
+def test_logprobs_and_entropy_of_uniform_logits():
+    # a model whose logits are all 0 over 4 tokens: logp = -ln 4, entropy = ln 4 (0 if masked)
+    class Flat(torch.nn.Module):
+        def forward(self, idx, prefix):
+            return torch.zeros(*idx.shape, 4, requires_grad=True)
+
+    pids, pm = torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool)
+    cids, cm = torch.tensor([[0, 3]]), torch.tensor([[True, False]])
+    logp, ent = completion_logprobs(Flat(), pids, pm, cids, cm, entropy=True)
+    torch.testing.assert_close(logp, torch.tensor([[-math.log(4), 0.0]]))
+    torch.testing.assert_close(ent, torch.tensor([[math.log(4), 0.0]]))
+    assert logp.requires_grad and not ent.requires_grad  # entropy is a metric: no graph
+
+
+def test_a_padded_position_with_a_very_low_policy_logprob_keeps_the_loss_finite():
+    # reference log-prob 0 at padding, policy -95 there: exp(ref - logp) = exp(95) = inf, and
+    # inf * 0 (the mask) was NaN in the loss and its gradient
+    logp = torch.tensor([[-1.0, -95.0]], requires_grad=True)
+    mask = torch.tensor([[True, False]])
+    ref = torch.tensor([[-1.2, 0.0]])
+    old = torch.tensor([[-1.0, 0.0]])
+    for agg in ("grpo", "dapo", "dr_grpo"):
+        loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask, ref_logp=ref, beta=0.1,
+                                agg=agg, max_new_tokens=2)
+        logp.grad = None
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), agg
+        assert logp.grad[0, 1] == 0  # the padded position carries no gradient
+        # k3 at the real token: d = -0.2, exp(-0.2) + 0.2 - 1 = 0.018731
+        assert stats["kl"].item() == pytest.approx(math.exp(-0.2) + 0.2 - 1)

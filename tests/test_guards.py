@@ -8,41 +8,56 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import events, metrics, tiny, tiny_gpt
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 from mini_grpo.config import load_config
-from mini_grpo.guards import Guard, GuardError
-from mini_grpo.trainer import train
+from mini_grpo.guards import Guard, GuardError, NonFiniteError
+from mini_grpo.job import train
 
 ROOT = Path(__file__).resolve().parent.parent
 NAN, ONE = torch.tensor(float("nan")), torch.tensor(1.0)
 
 
-def test_ladder_order_and_inapplicable_rungs_are_passed_over():
-    g = Guard(patience=2)
+def walk(g: Guard, have_checkpoint: bool, n: int) -> list:
+    """n non-finite steps; what the guard did after each (None, a message, or "GuardError")."""
     seen = []
-    for _ in range(8):
-        assert not g.step_ok(NAN, ONE)
-        seen.append(g.rung(amp_on=True, have_checkpoint=True))
-    assert seen == [None, "amp_off", None, "halve_lr", None, "restore", None, "stop"]
-    g = Guard(patience=1)  # AMP already off and no checkpoint: straight to halve_lr, stop
-    assert not g.step_ok(ONE, torch.tensor(float("inf")))
-    assert g.rung(amp_on=False, have_checkpoint=False) == "halve_lr"
-    assert not g.step_ok(NAN, ONE)
-    assert g.rung(amp_on=False, have_checkpoint=False) == "stop"
+    for _ in range(n):
+        assert not g.check(NAN, ONE)
+        try:
+            seen.append(g.fallback(have_checkpoint, lambda: "ckpt.pt"))
+        except GuardError:
+            seen.append("GuardError")
+    return seen
 
 
-def test_a_finite_step_resets_the_count():
+def test_ladder_order_and_inapplicable_rungs_are_passed_over():
+    g = Guard(patience=2, amp=True)
+    seen = walk(g, True, 8)
+    assert seen[0::2] == [None] * 4
+    assert "autocast turned off" in seen[1] and "learning rate halved" in seen[3]
+    assert seen[5] == "restored ckpt.pt" and seen[7] == "GuardError"
+    assert (g.amp, g.lr_scale) == (False, 0.5)
+    g = Guard(patience=1, amp=False)  # AMP already off and no checkpoint: halve_lr, stop
+    assert not g.check(ONE, torch.tensor(float("inf")))
+    assert "halved" in g.fallback(False, lambda: "x")
+    assert walk(g, False, 1) == ["GuardError"]
+
+
+def test_a_finite_step_resets_the_count_and_bad_flags_count_as_non_finite():
     g = Guard(patience=2)
-    assert not g.step_ok(NAN, ONE)
-    assert g.step_ok(ONE, ONE)
-    assert not g.step_ok(NAN, ONE)
-    assert g.rung(True, True) is None and g.skipped == 2
+    assert not g.check(NAN, ONE)
+    assert g.check(ONE, ONE, torch.tensor(True))
+    assert not g.check(ONE, ONE, torch.tensor(False))  # e.g. non-finite logits at sampling
+    assert g.fallback(True, lambda: "x") is None and g.skipped == 2
 
 
-def events(out_dir):
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").open()]
-    return [(r["step"], r["event"]) for r in rows if "event" in r]
+def test_guard_state_round_trips():
+    g = Guard(patience=1, amp=True)
+    walk(g, False, 2)  # amp off, lr halved
+    again = Guard(patience=1, amp=True)
+    again.load_state_dict(g.state_dict())
+    assert (again.amp, again.lr_scale, again.next_rung, again.skipped) == (False, 0.5, 2, 2)
 
 
 def test_injected_nans_walk_down_the_ladder_in_order(tmp_path, monkeypatch):
@@ -50,8 +65,8 @@ def test_injected_nans_walk_down_the_ladder_in_order(tmp_path, monkeypatch):
     monkeypatch.setenv("MINI_GRPO_NAN_STEPS", ",".join(str(s) for s in range(3, 13)))
     cfg = load_config("tiny", {"out_dir": str(tmp_path / "run"), "mode": "grpo",
                                "num_eval": "8", "max_steps": "12", "save_every": "2",
-                               "guard_patience": "2", "use_amp": "true",
-                               "parallel_rewards": "false"}, env={})
+                               "guard_patience": "2", "use_amp": "true", "amp_dtype": "bfloat16",
+                               "reward_executor": "serial"}, env={})
     with pytest.raises(GuardError, match="after every fallback"):
         train(cfg)
     ev = events(tmp_path / "run")
@@ -72,7 +87,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node=2", "distributed_train.py", "--config", "tiny",
                         "--mode=grpo", "--num_eval=8", "--max_steps=3", "--save_every=3",
-                        "--parallel_rewards=false", f"--out_dir={out}"],
+                        f"--out_dir={out}"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
@@ -88,10 +103,67 @@ def test_absurd_learning_rate_neither_crashes_nor_writes_nan(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("USE_AMP", "OUT_DIR")}
     r = subprocess.run([sys.executable, "distributed_train.py", "--config", "tiny",
                         "--mode=grpo", "--num_eval=8", "--max_steps=8", "--save_every=2",
-                        "--lr=1e3", "--guard_patience=1", "--parallel_rewards=false",
+                        "--lr=1e6", "--guard_patience=1",
                         f"--out_dir={out}"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 or (r.returncode == 1 and "after every fallback" in r.stderr)
     for path in list_checkpoints(out / "checkpoints"):
         assert all(torch.isfinite(p).all() for p in load_checkpoint(path)["model"].values())
+
+
+def test_a_resumed_run_keeps_amp_off_and_the_lr_halved(tmp_path, monkeypatch):
+    """fp16 (else bf16): NaN at steps 2 and 3 with patience 1 turn autocast off, then halve
+    the lr; the checkpoint at step 4 carries that, and the run resumed from it keeps both.
+    Before, a resumed run forgot both, and an fp16 one could not load its empty scaler."""
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.ones(2, 2) @ torch.ones(2, 2)
+        dtype = "float16"
+    except RuntimeError:
+        dtype = "bfloat16"
+    monkeypatch.setenv("MINI_GRPO_NAN_STEPS", "2,3")
+    over = dict(use_amp=True, amp_dtype=dtype, guard_patience=1, save_every=4)
+    train(tiny(tmp_path / "run", max_steps=4, **over))
+    monkeypatch.delenv("MINI_GRPO_NAN_STEPS")
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_0000004.pt")
+    assert state["guard"]["amp"] is False and state["guard"]["lr_scale"] == 0.5
+    train(tiny(tmp_path / "run", max_steps=6, **over))
+    rows = {r["step"]: r for r in metrics(tmp_path / "run") if "guard/amp" in r}
+    assert rows[1]["guard/amp"] == 1.0
+    assert [(rows[s]["guard/amp"], rows[s]["guard/lr_scale"]) for s in (5, 6)] == \
+        [(0.0, 0.5), (0.0, 0.5)]
+
+
+def test_sampling_survives_non_finite_logits_and_reports_them():
+    m = tiny_gpt()
+    m.lm_head.register_forward_hook(lambda mod, inp, out: out * float("nan"))
+    from mini_grpo.rollout import generate
+
+    for greedy in (True, False):
+        r = generate(m, [[1, 5, 6], [1, 7]], 6, 2, 0, greedy=greedy,
+                     generator=torch.Generator().manual_seed(0))
+        assert bool(r.nonfinite) and r.completion_ids.size(1) == 1  # stopped at once
+    r = generate(tiny_gpt(), [[1, 5, 6]], 6, 2, 0, greedy=True)
+    assert not bool(r.nonfinite)
+
+
+def test_sft_that_blows_up_writes_nothing_and_a_sane_rerun_trains(tmp_path):
+    out = tmp_path / "sft"
+    with pytest.raises((GuardError, NonFiniteError)):
+        train(tiny(out, mode="sft", sft_steps=12, sft_lr=1e6, guard_patience=1))
+    assert not list((out / "sft").glob("step_*.pt"))  # no NaN checkpoint to reuse
+    train(tiny(out, mode="sft", sft_steps=12))
+    state = load_checkpoint(out / "sft" / "step_0000012.pt")
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_finished_sft_stage_is_reused_only_with_the_same_options(tmp_path, capsys):
+    out = tmp_path / "sft"
+    train(tiny(out, mode="sft", sft_steps=4))
+    capsys.readouterr()
+    train(tiny(out, mode="sft", sft_steps=4))
+    assert "[sft] reusing finished stage" in capsys.readouterr().out
+    train(tiny(out, mode="sft", sft_steps=4, sft_lr=1e-4))
+    text = capsys.readouterr().out
+    assert "not reusing" in text and "sft_lr" in text and "[sft] done" in text

@@ -1,58 +1,31 @@
 """Precision and speed switches: each one on and off gives a working tiny run."""
 
-import json
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import metrics, tiny
 
 from mini_grpo.checkpoint import latest_checkpoint
 from mini_grpo.config import load_config
-from mini_grpo.data import batch_indices, sft_batch
-from mini_grpo.optim import make_optimizer
-from mini_grpo.precision import autocast, compile_with_fallback, grad_scaler
-from mini_grpo.tasks import build_task
-from mini_grpo.tokenizer import CharTokenizer
-from mini_grpo.trainer import build_model, train
+from mini_grpo.job import train
+from mini_grpo.precision import compile_with_fallback, resolve_precision
+from mini_grpo.run import build_model
 
 
-def tiny(tmp_path, **kw):
-    over = {"out_dir": str(tmp_path / "run"), "mode": "grpo", "num_eval": 8, "max_steps": 2,
-            "parallel_rewards": False}
-    over.update(kw)
-    return load_config("tiny", {k: str(v) for k, v in over.items()}, env={})
-
-
-def sft_losses(cfg, steps=12):
-    """SFT losses of the tiny model for a few steps under cfg's precision."""
-    task = build_task(cfg)
-    tok = CharTokenizer(task.alphabet)
-    torch.manual_seed(0)
-    model = build_model(cfg, tok.vocab_size)
-    opt = make_optimizer(model, 3e-3)
-    scaler = grad_scaler(cfg, torch.device("cpu"))
-    out = []
-    for step in range(steps):
-        idx = batch_indices(len(task.train), 16, step, 0)
-        x, y = sft_batch(tok, [(task.train[i].prompt, task.train[i].target) for i in idx])
-        with autocast(cfg, torch.device("cpu")):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+def sft_losses(out_dir, steps=16, **kw):
+    """The SFT stage's loss at every step, as the trainer logs it, under kw's precision."""
+    train(tiny(out_dir, mode="sft", sft_steps=steps, sft_lr=6e-3, log_every=1, **kw))
+    return [r["sft/loss"] for r in metrics(out_dir) if "sft/loss" in r]
 
 
 def test_bf16_autocast_loss_tracks_fp32(tmp_path):
-    fp32 = sft_losses(tiny(tmp_path, use_amp=False))
-    bf16 = sft_losses(tiny(tmp_path, use_amp=True, amp_dtype="bfloat16"))
-    # stated tolerance: within 3% of the fp32 loss at every one of 12 steps
+    fp32 = sft_losses(tmp_path / "fp32", use_amp=False)
+    bf16 = sft_losses(tmp_path / "bf16", use_amp=True, amp_dtype="bfloat16")
+    assert len(fp32) == len(bf16) == 16
+    # stated tolerance: within 3% of the fp32 loss at every one of 16 steps
     for a, b in zip(fp32, bf16):
         assert abs(a - b) / a < 0.03, (fp32, bf16)
     assert fp32[-1] < 0.8 * fp32[0]  # and both actually train
@@ -65,19 +38,19 @@ def test_fp16_with_grad_scaler(tmp_path):
             torch.ones(2, 2) @ torch.ones(2, 2)
     except RuntimeError as e:
         pytest.skip(f"this CPU build has no float16 autocast: {e}")
-    assert grad_scaler(cfg, torch.device("cpu")).is_enabled()
-    losses = sft_losses(cfg)
-    fp32 = sft_losses(tiny(tmp_path, use_amp=False))
+    assert resolve_precision(cfg, torch.device("cpu")).scaler().is_enabled()
+    losses = sft_losses(tmp_path / "fp16", use_amp=True, amp_dtype="float16")
+    fp32 = sft_losses(tmp_path / "fp32", use_amp=False)
     assert all(abs(a - b) / a < 0.05 for a, b in zip(fp32, losses)), (fp32, losses)
 
 
 @pytest.mark.parametrize("switch, value", [
-    ("use_amp", False), ("use_tf32", False), ("gradient_checkpointing", True),
-    ("fused_optimizer", False), ("offload_reference", True), ("parallel_rewards", True),
+    ("use_amp", True), ("use_tf32", False), ("gradient_checkpointing", True),
+    ("fused_optimizer", False), ("offload_reference", True), ("reward_executor", "process"),
     ("generation_amp", "off"), ("attn_impl", "sdpa"),
 ])
 def test_each_switch_gives_a_working_run(tmp_path, switch, value):
-    cfg = tiny(tmp_path, **{switch: value})
+    cfg = tiny(tmp_path / "run", max_steps=2, **{switch: value})
     train(cfg)
     _, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert state["step"] == 2 and state["config"][switch] == value
@@ -87,10 +60,10 @@ def test_each_switch_gives_a_working_run(tmp_path, switch, value):
 def test_compile_switch_runs(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train(tiny(tmp_path, compile_model=True, max_steps=1))
+        train(tiny(tmp_path / "run", compile_model=True, max_steps=1))
     _, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert state["step"] == 1
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rows = metrics(tmp_path / "run")
     assert any("reward/mean" in r for r in rows)
 
 
@@ -102,8 +75,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     torch.manual_seed(0)
-    cfg = load_config("tiny", env={})
-    model = build_model(cfg, 40)
+    model = build_model(load_config("tiny", env={}), 40)
     wrapped = compile_with_fallback(model)
     idx = torch.randint(4, 40, (2, 8))
     with pytest.warns(UserWarning, match="backend exploded") as rec:

@@ -7,18 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from mini_grpo import distributed as D
 from mini_grpo.config import load_config
+from mini_grpo.job import train
 from mini_grpo.rft import generate_rft_data
-from mini_grpo.scoring import RewardScorer
-from mini_grpo.tasks import build_task, load_jsonl
-from mini_grpo.trainer import load_policy, train
+from mini_grpo.run import checkpoint_config, setup
+from mini_grpo.tasks import load_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTS = {"rft_num_prompts": "12", "rft_oversample": "4", "rft_prompts_per_batch": "5",
-        "parallel_rewards": "false", "num_eval": "8"}
+        "reward_executor": "serial", "num_eval": "8"}
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +27,21 @@ def sft_checkpoint(tmp_path_factory):
     return out / "sft" / "step_0000020.pt"
 
 
-def setup(ckpt, **over):
-    cfg = load_config("tiny", {**OPTS, **over}, env={})
-    model, tok, _ = load_policy(str(ckpt), "cpu")
-    task = build_task(cfg)
-    prompts = list(dict.fromkeys(ex.prompt for ex in task.train))[:12]
-    examples = [ex for ex in task.train if ex.prompt in set(prompts)]
-    return cfg, model, tok, task, examples, prompts
+def rft_run(ckpt, **over):
+    """The run `mini-grpo rft-generate --checkpoint ckpt` builds, and its first 12 prompts."""
+    state, cfg = checkpoint_config(str(ckpt), {**OPTS, **over})
+    run = setup(cfg, checkpoint=state, log=False)
+    prompts = list(dict.fromkeys(ex.prompt for ex in run.task.train))[:12]
+    examples = [ex for ex in run.task.train if ex.prompt in set(prompts)]
+    return run, examples, prompts
 
 
 def test_covers_every_prompt_keeps_only_rows_above_the_threshold(sft_checkpoint, tmp_path):
-    cfg, model, tok, task, examples, prompts = setup(sft_checkpoint, rft_min_reward="0.05",
-                                                     rft_keep="all")
+    run, examples, prompts = rft_run(sft_checkpoint, rft_min_reward="0.05", rft_keep="all")
     out = tmp_path / "rft.jsonl"
-    with RewardScorer.from_config(cfg, task) as scorer:
-        summary = generate_rft_data(model, tok, examples, scorer, cfg, torch.device("cpu"),
-                                    D.DistInfo(), out)
+    with run:
+        summary = generate_rft_data(run, examples, out)
+        tok = run.tok
     assert summary["prompts"] == 12 and summary["prompts_generated_now"] == 12
     assert summary["completions_generated_now"] == 12 * 4
     rows = [json.loads(line) for line in out.open()]
@@ -65,9 +62,10 @@ def test_covers_every_prompt_keeps_only_rows_above_the_threshold(sft_checkpoint,
 
 def test_resume_after_an_interrupted_run_loses_nothing_and_duplicates_nothing(
         sft_checkpoint, tmp_path):
-    cfg, model, tok, task, examples, prompts = setup(sft_checkpoint, rft_min_reward="0.0")
+    run, examples, prompts = rft_run(sft_checkpoint, rft_min_reward="0.0")
     out = tmp_path / "rft.jsonl"
-    with RewardScorer.from_config(cfg, task) as scorer:
+    with run:
+        scorer = run.scorer
         calls = {"n": 0}
         real = scorer.score
 
@@ -79,16 +77,14 @@ def test_resume_after_an_interrupted_run_loses_nothing_and_duplicates_nothing(
 
         scorer.score = dies_on_the_second_batch
         with pytest.raises(KeyboardInterrupt):
-            generate_rft_data(model, tok, examples, scorer, cfg, torch.device("cpu"),
-                              D.DistInfo(), out)
+            generate_rft_data(run, examples, out)
         shard = Path(f"{out}.rank0")
         first = [json.loads(line) for line in shard.open()]
         assert len(first) == 5  # the first batch's prompts, all written
         with open(shard, "a") as f:
             f.write('{"prompt": "e2e4:", "targ')  # and a line torn by the kill
         scorer.score = real
-        summary = generate_rft_data(model, tok, examples, scorer, cfg, torch.device("cpu"),
-                                    D.DistInfo(), out)
+        summary = generate_rft_data(run, examples, out)
     assert summary["prompts_generated_now"] == 12 - 5  # only what was missing
     rows = [json.loads(line) for line in out.open()]
     assert [r["prompt"] for r in rows] == prompts  # min_reward 0: one row per prompt, in order

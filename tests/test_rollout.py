@@ -1,16 +1,13 @@
 import torch
+from conftest import tiny_gpt
 
+from mini_grpo.logprobs import completion_logprobs
 from mini_grpo.model import GPT, GPTConfig
-from mini_grpo.rollout import completion_logprobs, generate, sample
+from mini_grpo.rollout import generate, sample
 from mini_grpo.tokenizer import CharTokenizer
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13, 14]]
-
-
-def tiny_gpt(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
 
 
 def boost_eos(m, amount):
@@ -173,3 +170,15 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_result():
     for i in range(len(PROMPTS)):
         n = int(alone.completion_mask[i].sum())
         assert g.completion_ids[4 * i, :n].tolist() == alone.completion_ids[i, :n].tolist()
+
+
+def test_completions_of_one_token_each_go_through_the_shared_pass():
+    """Every row ended at its first token (EOS at once, or sampling stopped on non-finite
+    logits): the shared pass has no completion inputs at all and must still work."""
+    m = tiny_gpt()
+    boost_eos(m, 100.0)
+    r = generate(m, PROMPTS, 8, EOS, PAD, greedy=True)
+    assert r.completion_ids.size(1) == 1
+    lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask)
+    torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)

@@ -15,8 +15,13 @@ DATA = Path(__file__).resolve().parent / "data"
 AFTER_E4_E5 = "rnbqkbnr/pppp1ppp/8/4p3/4P3/8/PPPP1PPP/RNBQKBNR w KQkq - 0 2"
 
 
+TASK_ARGS = {"num_train", "min_plies", "max_plies", "move_format", "pgn_path"}
+
+
 def config(**overrides):
-    return load_config(overrides=overrides, env={})
+    """A config with chess_fen's options (TASK_ARGS) passed as --task_args.KEY."""
+    return load_config(overrides={f"task_args.{k}" if k in TASK_ARGS else k: v
+                                  for k, v in overrides.items()}, env={})
 
 
 def replay(prompt: str, san: bool) -> str:
@@ -209,3 +214,46 @@ def test_chess_task_from_pgn():
     assert len(task.eval) == 1  # 10% of 14 distinct prompts, at least one
     with pytest.raises(ConfigError, match="choose one source"):
         build_task(config(pgn_path=str(DATA / "games.pgn"), data_path=str(DATA / "rows.jsonl")))
+
+
+# ---- task arguments, data checks and evaluation extras ----
+
+def test_task_args_are_validated_by_the_task_with_errors_that_name_the_key():
+    cfg = load_config(overrides={"task_args.max_plies": "8"}, env={})
+    assert cfg.task_args == {"num_train": 50000, "min_plies": 2, "max_plies": 8,
+                             "move_format": "uci", "pgn_path": ""}  # defaults filled in
+    for over, needle in [({"task_args.max_pliez": "8"}, "did you mean 'max_plies'"),
+                         ({"task_args.max_plies": "x"}, "task_args.max_plies: expected an"),
+                         ({"task_args.max_plies": "1"}, "task_args.max_plies: must be >="),
+                         ({"task_args.move_format": "lan"}, "task_args.move_format: must be"),
+                         ({"max_plies": "8"}, "moved into the task's arguments"),
+                         ({"task": "jsonl", "task_args.num_train": "5"}, "unknown key")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(overrides=over, env={})
+
+
+def test_a_chess_jsonl_target_that_is_not_a_fen_is_rejected_at_load(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    good = {"prompt": "e2e4:", "target": chess.Board().fen()}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "d2d4:", "target": "8/8 w"})
+                    + "\n")
+    with pytest.raises(ConfigError, match=r"rows.jsonl:2: row 2: target '8/8 w' is not a FEN"):
+        build_task(config(data_path=str(path)))
+
+
+def test_deeply_nested_jsonl_row_is_a_clear_error(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100000 + "]" * 100000 + "\n")
+    with pytest.raises(ConfigError, match="deep.jsonl:1: JSON nested too deeply"):
+        load_jsonl(path)
+
+
+def test_chess_task_brings_its_own_evaluation_extras():
+    task = build_task(config(num_train=10, num_eval=5))
+    cols = task.eval_columns(task.eval[:2], [task.eval[0].target, "not a fen"])
+    assert cols["valid_fen"].tolist() == [1.0, 0.0]
+    assert task.eval_bucket(Example("p", "t", {"plies": 6})) == "plies_5-8"
+    assert task.eval_bucket(Example("p", "t", {})) is None
+    assert task.trivial_answers["start_fen"](task.eval[0]) == chess.STARTING_FEN
+    jsonl_task = build_task(config(task="jsonl", data_path=str(DATA / "rows.jsonl")))
+    assert jsonl_task.eval_columns is None and jsonl_task.trivial_answers == {}

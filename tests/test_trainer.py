@@ -5,21 +5,17 @@ import warnings
 
 import pytest
 import torch
+from conftest import events, tiny_gpt
+from conftest import tiny as tiny_config
 
 from mini_grpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from mini_grpo.config import load_config
-from mini_grpo.model import GPT, GPTConfig
+from mini_grpo.job import train
 from mini_grpo.reference import Reference
 from mini_grpo.rollout import generate
-from mini_grpo.trainer import train
 
 
 def tiny(tmp_path, name, **kw):
-    # fp32: exact reproducibility and resume are promised for fp32 on CPU
-    over = {"out_dir": str(tmp_path / name), "mode": "grpo", "num_eval": 8,
-            "num_reward_workers": 1, "parallel_rewards": False, "use_amp": False}
-    over.update(kw)
-    return load_config("tiny", {k: str(v) for k, v in over.items()}, env={})
+    return tiny_config(tmp_path / name, **kw)
 
 
 def final_weights(cfg):
@@ -35,7 +31,7 @@ def test_few_steps_change_parameters_and_reproduce(tmp_path):
     sa, sb = final_weights(a), final_weights(b)
     assert sa["step"] == 2
     torch.manual_seed(a.seed)  # the initial weights, as the trainer builds them
-    from mini_grpo.trainer import build_model
+    from mini_grpo.run import build_model
     init = build_model(a, len(sa["tokenizer"]) + 4).state_dict()
     moved = [k for k in init if not torch.equal(init[k], sa["model"][k])]
     assert moved, "no parameter changed"
@@ -83,8 +79,7 @@ def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
 
 
 def test_offloaded_reference_gives_the_same_logprobs():
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    m = tiny_gpt()
     r = generate(m, [[1, 5, 6], [1, 7]], 10, 2, 0, generator=torch.Generator().manual_seed(0))
     args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
     plain = Reference(m, torch.device("cpu"), offload=False).logprobs(*args)
@@ -122,7 +117,7 @@ def test_sft_then_grpo_under_bf16_autocast_runs_and_lowers_the_sft_loss(tmp_path
 
 
 def test_micro_batch_plan_sorts_by_length():
-    from mini_grpo.trainer import plan_micro_batches
+    from mini_grpo.rollout import plan_micro_batches
 
     lengths = [30, 100, 31, 98, 60, 101, 29, 62, 99, 61, 30, 100]
     plan = plan_micro_batches(lengths, size=4)
@@ -135,8 +130,7 @@ def test_micro_batch_plan_sorts_by_length():
 
 
 def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
-    from mini_grpo.rollout import Rollout
-    from mini_grpo.trainer import row_batches
+    from mini_grpo.rollout import Rollout, row_batches
 
     def rollout(lengths, plen=3):
         B = len(lengths)
@@ -156,3 +150,57 @@ def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
     # each micro-batch then computes both prompts
     r, cmask = rollout([1, 20, 2, 19, 1, 21, 2, 20])
     assert [b.tolist() for b in row_batches(r, cmask, 4, 2)] == [[0, 4, 2, 6], [3, 1, 7, 5]]
+
+
+def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
+    """num_iterations > 1: the old log-probs are the first pass's own, not the ones recorded
+    while sampling (other kernels, eval mode), so a policy that has not moved is not clipped."""
+    from mini_grpo.model import GPT, GPTConfig
+    from mini_grpo.rollout import micro_batches
+    from mini_grpo.trainer import advantages, policy_pass
+
+    cfg = tiny_config(None, num_iterations=2, use_amp=True, amp_dtype="bfloat16",
+                      micro_batch_size=4)
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32,
+                      dropout=0.1))
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    prompts = [[1, 5, 6, 7]] * 4 + [[1, 8, 9]] * 4
+    with bf16():
+        r = generate(m, prompts, 12, 2, 0, temperature=cfg.temperature,
+                     generator=torch.Generator().manual_seed(0))
+    batch = advantages(torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), r.completion_mask, cfg)
+    batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, cfg.group_size)
+    m.train()
+    acc, old = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), None, cfg,
+                           autocast=bf16)
+    tokens = batch.num_tokens.item()
+    assert acc[4].item() / tokens == 1.0  # the mean ratio, exactly
+    assert acc[2].item() == 0 and acc[3].item() == 0  # nothing clipped
+    rows, n = batches[0][0], batches[0][4].size(1)
+    assert not torch.equal(old[0], r.logprobs[rows, :n])  # what the old code used differs
+    acc2, _ = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), old, cfg,
+                          autocast=bf16)  # the second pass reuses them
+    assert acc2[4].item() / tokens != 1.0  # dropout: a fresh pass is not the same
+
+
+def test_resume_refuses_what_cannot_work_and_logs_what_changed(tmp_path):
+    from mini_grpo.checkpoint import CheckpointError
+    from mini_grpo.config import ConfigError
+
+    run = tmp_path / "r"
+    train(tiny(tmp_path, "r", max_steps=2, save_every=2))
+    saved = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"cannot resume with a different n_embd \(32 -> 64\)"):
+        train(tiny(tmp_path, "r", max_steps=4, n_embd=64))
+    assert (run / "config.yaml").read_text() == saved  # the refused run changed nothing
+    with pytest.raises(ConfigError, match="max_steps: 1 is below the step of the checkpoint"):
+        train(tiny(tmp_path, "r", max_steps=1))
+    train(tiny(tmp_path, "r", max_steps=3, lr=1e-3))
+    changed = [e for _, e in events(run) if e.startswith("resumed with changed options")]
+    assert len(changed) == 1 and "lr 3e-05 -> 0.001" in changed[0]
+    assert "max_steps 2 -> 3" in changed[0]
+    # an SFT checkpoint is a starting point, not a GRPO run to continue
+    train(tiny(tmp_path, "s", mode="sft", sft_steps=2))
+    with pytest.raises(CheckpointError, match="--init_from="):
+        train(tiny(tmp_path, "g", resume=str(tmp_path / "s" / "sft" / "step_0000002.pt")))

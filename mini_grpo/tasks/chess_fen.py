@@ -7,8 +7,12 @@ Rows come from one of three sources:
   - generated: uniformly random legal games from random.Random(seed), with a ply count drawn
     uniformly from min_plies..max_plies; the held-out games are drawn first, with distinct
     prompts, and training games that repeat one of them are redrawn;
-  - pgn_path: the first min_plies..max_plies moves of each game of a PGN file;
-  - data_path: a JSONL file (tasks/jsonl.py) checked against the chess alphabet.
+  - task_args.pgn_path: the first min_plies..max_plies moves of each game of a PGN file;
+  - data_path: a JSONL file (tasks/jsonl.py); every row is checked at load against the chess
+    alphabet, and its target must be a FEN python-chess accepts.
+
+Evaluation extras: the valid-FEN rate, results by ply bucket, and the start position as a
+trivial answer the policy must beat.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import io
 import logging
 import random
 import re
+from dataclasses import dataclass
+from typing import Literal
 
 import chess
 import chess.pgn
+import numpy as np
 
 from mini_grpo.config import ConfigError, GRPOConfig
 from mini_grpo.tasks import Example, TaskData, split_held_out
@@ -41,6 +48,28 @@ DEFAULT_REWARDS = [
     {"name": "board_delta", "weight": 0.5},
     {"name": "levenshtein", "weight": 0.5},
 ]
+
+PLY_BUCKETS = ((2, 4), (5, 8), (9, 12))
+
+
+@dataclass
+class Args:
+    """chess_fen's options (the config's task_args)."""
+    num_train: int = 50000  # generated training prompts (~10 s to generate)
+    min_plies: int = 2  # shortest game (half-moves)
+    max_plies: int = 12
+    move_format: Literal["uci", "san"] = "uci"
+    pgn_path: str = ""  # PGN file whose games give the prompts, instead of random games
+
+    def check(self) -> None:
+        if self.num_train <= 0:
+            raise ConfigError(f"task_args.num_train: must be > 0, got {self.num_train}")
+        if self.min_plies < 0:
+            raise ConfigError(f"task_args.min_plies: must be >= 0, got {self.min_plies}")
+        if self.max_plies < self.min_plies:
+            raise ConfigError(f"task_args.max_plies: must be >= min_plies ({self.min_plies}), "
+                              f"got {self.max_plies}")
+
 
 CACHED_PLIES = 3  # legal-move lists cached for the first plies, which most games share
 TRIES_PER_GAME = 20  # give up (ConfigError) after this many draws per requested game
@@ -168,15 +197,46 @@ def load_pgn(path, min_plies: int = 2, max_plies: int = 12, san: bool = False) -
     return list(examples.values())
 
 
-def build(cfg: GRPOConfig) -> TaskData:
-    san = cfg.move_format == "san"
+def fen_error(target: str) -> str | None:
+    """Why `target` is not a FEN python-chess accepts, or None."""
+    try:
+        chess.Board(target)
+    except ValueError as e:
+        return f"target {target[:80]!r} is not a FEN ({e})"
+    return None
+
+
+def _check_row(prompt: str, target: str) -> str | None:
+    return fen_error(target)
+
+
+def valid_fen_column(examples: list[Example], completions: list[str]) -> dict:
+    from mini_grpo.rewards.fen import fen_valid
+
+    return {"valid_fen": np.asarray(fen_valid([], completions, [], []), dtype=float)}
+
+
+def ply_bucket(ex: Example) -> str | None:
+    plies = ex.meta.get("plies")
+    for lo, hi in PLY_BUCKETS:
+        if isinstance(plies, int) and lo <= plies <= hi:
+            return f"plies_{lo}-{hi}"
+    return None
+
+
+def build(cfg: GRPOConfig, args: Args) -> TaskData:
+    san = args.move_format == "san"
+    if cfg.data_path and args.pgn_path:
+        raise ConfigError("task_args.pgn_path: data_path is set too; choose one source of rows")
     if cfg.data_path:
-        rows = load_jsonl(cfg.data_path, CharTokenizer(ALPHABET))
+        rows = load_jsonl(cfg.data_path, CharTokenizer(ALPHABET), check=_check_row)
         train, held = split_held_out(rows, cfg.num_eval, cfg.seed, cfg.data_path)
-    elif cfg.pgn_path:
-        rows = load_pgn(cfg.pgn_path, cfg.min_plies, cfg.max_plies, san)
-        train, held = split_held_out(rows, cfg.num_eval, cfg.seed, cfg.pgn_path)
+    elif args.pgn_path:
+        rows = load_pgn(args.pgn_path, args.min_plies, args.max_plies, san)
+        train, held = split_held_out(rows, cfg.num_eval, cfg.seed, args.pgn_path)
     else:
-        train, held = generate_split(cfg.num_train, cfg.num_eval, cfg.min_plies, cfg.max_plies,
-                                     san, cfg.seed)
-    return TaskData("chess_fen", train, held, [dict(r) for r in DEFAULT_REWARDS], ALPHABET)
+        train, held = generate_split(args.num_train, cfg.num_eval, args.min_plies,
+                                     args.max_plies, san, cfg.seed)
+    return TaskData("chess_fen", train, held, [dict(r) for r in DEFAULT_REWARDS], ALPHABET,
+                    eval_columns=valid_fen_column, eval_bucket=ply_bucket,
+                    trivial_answers={"start_fen": lambda ex: chess.STARTING_FEN})

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from mini_grpo.config import ConfigError, GRPOConfig
 from mini_grpo.tasks import Example, TaskData, split_held_out
@@ -19,8 +21,15 @@ log = logging.getLogger("mini_grpo.tasks")
 DEFAULT_REWARDS = [{"name": "levenshtein", "weight": 0.5}, {"name": "exact_match", "weight": 0.5}]
 
 
-def load_jsonl(path, tokenizer=None) -> list[Example]:
-    """Rows of the file; with a tokenizer, a row it cannot encode is an error naming the row."""
+@dataclass
+class Args:
+    """jsonl takes no options of its own: data_path and num_eval are the config's."""
+
+
+def load_jsonl(path, tokenizer=None,
+               check: Callable[[str, str], str | None] | None = None) -> list[Example]:
+    """Rows of the file; with a tokenizer, a row it cannot encode is an error naming the row,
+    and so is a row for which `check(prompt, target)` returns a reason (the task's check)."""
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -37,6 +46,8 @@ def load_jsonl(path, tokenizer=None) -> list[Example]:
                 continue
             try:
                 obj = json.loads(line)
+            except RecursionError:
+                raise ConfigError(f"{where}: JSON nested too deeply") from None
             except json.JSONDecodeError as e:
                 if not raw.endswith(b"\n"):  # a last line cut short by a kill mid-write
                     log.warning("%s: truncated last line skipped (%s)", where, e.msg)
@@ -57,17 +68,18 @@ def load_jsonl(path, tokenizer=None) -> list[Example]:
                 if bad:
                     raise ConfigError(f"{where}: row {len(rows) + 1}: characters the tokenizer "
                                       f"cannot encode: {''.join(bad)!r}")
+            why = check(prompt, target) if check is not None else None
+            if why:
+                raise ConfigError(f"{where}: row {len(rows) + 1}: {why}")
             rows.append(Example(prompt, target, obj))
     if not rows:
         raise ConfigError(f"{path}: no rows (the file is empty)")
     return rows
 
 
-def build(cfg: GRPOConfig) -> TaskData:
+def build(cfg: GRPOConfig, args: Args) -> TaskData:
     if not cfg.data_path:
         raise ConfigError("data_path: task 'jsonl' needs a JSONL file of {prompt, target} rows")
-    if cfg.pgn_path:
-        raise ConfigError("pgn_path: only task 'chess_fen' reads PGN files")
     rows = load_jsonl(cfg.data_path)
     train, held = split_held_out(rows, cfg.num_eval, cfg.seed, cfg.data_path)
     alphabet = "".join(sorted({c for r in rows for c in r.prompt + r.target}))

@@ -1,0 +1,158 @@
+"""What a training run does around the GRPO loop: SFT -> GRPO -> evaluation, or RFT.
+
+    python distributed_train.py --config default               # sft_grpo (the main job)
+    python distributed_train.py --config default --mode=rft    # SFT -> RFT data -> SFT -> eval
+
+`train(cfg)` builds the run once (run.setup), decides where to resume from (comparing the
+checkpoint's config with this one: what cannot work is refused, what changed is logged), runs
+the stages of cfg.mode, evaluates before and after (rank 0 writes eval.json) and tears down.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
+from .config import ConfigError
+from .evaluate import evaluate, format_table, trivial_baselines
+from .rft import generate_rft_data
+from .run import Run, setup
+from .sft import train_sft
+from .tasks import load_jsonl
+from .trainer import train_grpo
+
+STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft")}
+
+# a GRPO checkpoint cannot continue under another model, task or data
+RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "task", "task_args", "data_path",
+                "group_size")
+
+
+def train(cfg) -> dict:
+    """The whole job; returns {"before", "after", "baselines"} evaluations (rank 0)."""
+    with setup(cfg) as run:
+        resume = find_resume(run) if "grpo" in STAGES[cfg.mode] else None
+        if run.dist.is_main:
+            cfg.save(Path(cfg.out_dir) / "config.yaml")
+        stages = STAGES[cfg.mode]
+        if "sft" in stages:
+            train_sft(run)
+        result = {}
+        if "rft" in stages:
+            if run.dist.is_main:
+                result["before"] = eval_both(run, 0)
+            run_rft(run)
+        if "grpo" in stages:
+            run.freeze_reference()  # the policy GRPO starts from, before resumed weights
+            result = before_grpo(run, resume)
+            if resume is not None:
+                run.model.load_state_dict(resume["model"])
+                run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
+            train_grpo(run, resume)
+        if run.dist.is_main:
+            last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1],
+                                                                         cfg.sft_steps)
+            result["after"] = eval_both(run, last)
+            result["baselines"] = trivial_baselines(run.task, run.scorer)
+            (Path(cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+            table = {f"{k} {mode}": v[mode] for k, v in result.items() if k != "baselines"
+                     for mode in ("greedy", "sampled")}
+            print("\n" + format_table(table), flush=True)
+            print("trivial answers under the same reward: " + ", ".join(
+                f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
+    return result
+
+
+def find_resume(run: Run) -> dict | None:
+    """The GRPO checkpoint to continue from (resume: auto | never | PATH), checked against
+    this run's config; stale temporary files of killed writes are removed first."""
+    cfg = run.cfg
+    ckpt_dir = Path(cfg.out_dir) / "checkpoints"
+    if run.dist.is_main:
+        clean_stale_temps(ckpt_dir)
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        path, state = latest_checkpoint(ckpt_dir)
+        if state is None:
+            return None
+    else:
+        path, state = cfg.resume, load_checkpoint(cfg.resume)
+    check_resume(run, state, str(path))
+    return state
+
+
+def check_resume(run: Run, state: dict, path: str) -> None:
+    """Refuses a checkpoint this run cannot continue (exit 2 naming the keys); logs the
+    options that changed and may (lr, max_steps, ...)."""
+    cfg, saved = run.cfg, state.get("config")
+    if state.get("kind") != "grpo" or "optimizer" not in state or not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: a {state.get('kind', 'non-GRPO')} checkpoint cannot be "
+                              f"resumed as GRPO; start from its weights with --init_from={path}")
+    if state.get("tokenizer") != run.tok.chars:
+        raise CheckpointError(f"{path}: its tokenizer differs from this task's alphabet")
+    now = cfg.to_dict()
+    fixed = [k for k in RESUME_FIXED if saved.get(k) != now.get(k)]
+    if fixed:
+        raise ConfigError(f"{path}: cannot resume with a different "
+                          + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in fixed)
+                          + "; use another out_dir, or resume: never")
+    if state["step"] > cfg.max_steps:
+        raise ConfigError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint "
+                          f"to resume from ({state['step']}, {path})")
+    changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items()
+               if k not in ("resume", "out_dir") and saved.get(k) != v]
+    if changed and run.logger:
+        run.logger.event(state["step"], "resumed with changed options: " + ", ".join(changed))
+
+
+def before_grpo(run: Run, resume: dict | None) -> dict:
+    """The "before" evaluation: computed on a fresh start, kept from eval.json on resume."""
+    out = Path(run.cfg.out_dir) / "eval.json"
+    if not run.dist.is_main:
+        return {}
+    if resume is None:
+        result = {"before": eval_both(run, 0)}
+        out.write_text(json.dumps(result, indent=2))
+        return result
+    if out.is_file():
+        return {k: v for k, v in json.loads(out.read_text()).items() if k == "before"}
+    return {}
+
+
+def run_rft(run: Run) -> None:
+    """Rejection sampling from the current model, then SFT on the accepted completions."""
+    cfg, task = run.cfg, run.task
+    prompts = list(dict.fromkeys(ex.prompt for ex in task.train))
+    keep = set(prompts[:cfg.rft_num_prompts] if cfg.rft_num_prompts else prompts)
+    examples = [ex for ex in task.train if ex.prompt in keep]
+    data = Path(cfg.out_dir) / "rft" / "data.jsonl"
+    generate_rft_data(run, examples, data)
+    try:
+        accepted = load_jsonl(data)
+    except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"
+        raise ConfigError(f"rft_min_reward: no completion of {len(keep)} prompts reached "
+                          f"{cfg.rft_min_reward}; lower it or train the SFT stage longer"
+                          ) from None
+    train_sft(run, examples=accepted, steps=cfg.rft_sft_steps, lr=cfg.rft_lr,
+              directory=data.parent / "sft", tag="rft")
+
+
+def eval_both(run: Run, step: int) -> dict:
+    """Greedy and sampled held-out evaluations, logged and printed."""
+    out = {}
+    for greedy in (True, False):
+        name = "greedy" if greedy else "sampled"
+        t0 = time.perf_counter()
+        ev = evaluate(run, greedy=greedy, seed=run.cfg.seed)
+        out[name] = ev
+        if run.logger:
+            run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"},
+                               f"eval_{name}/")
+        extra = "".join(f" {k} {ev[k]:.3f}" for k in ev if "/" not in k and k not in (
+            "reward", "reward_se", "length", "n", "samples"))
+        print(f"[eval] step {step} {name}: reward {ev['reward']:.4f} ± {ev['reward_se']:.4f}"
+              f"{extra} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return out

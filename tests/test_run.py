@@ -1,0 +1,118 @@
+"""setup(cfg) -> Run and the entry points around it: bad input is one line and exit 2 before
+any work, checkpoints are untrusted input."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, clean_env, entry, tiny
+
+from mini_grpo import distributed as D
+from mini_grpo.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from mini_grpo.config import ConfigError
+from mini_grpo.job import train
+from mini_grpo.run import check_world, setup
+
+
+def one_line_exit_2(r):
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
+    return lines[0]
+
+
+def test_setup_builds_every_part_once_and_close_tears_down(tmp_path):
+    cfg = tiny(tmp_path / "run")
+    with setup(cfg) as run:
+        assert run.task.name == "chess_fen" and run.scorer.keys == ["board_delta", "levenshtein"]
+        assert run.net is run.model and run.comm is None and run.reference is None
+        assert (tmp_path / "run" / "tokenizer.json").is_file() and run.logger is not None
+        run.freeze_reference()
+        assert run.reference is not None
+    assert run.scorer._pool is None  # closed
+
+
+def test_fewer_prompts_than_ranks_is_refused_at_the_start():
+    cfg = tiny(None, prompts_per_step=1)
+    with pytest.raises(ConfigError, match="prompts_per_step: 1 is smaller than the number of "
+                                          "processes \\(2\\)"):
+        check_world(cfg, D.DistInfo(world_size=2))
+    with pytest.raises(ConfigError, match="sft_batch_size"):
+        check_world(tiny(None, sft_batch_size=3), D.DistInfo(world_size=4))
+    check_world(cfg, D.DistInfo(world_size=1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_without_a_gpu_exits_2():
+    line = one_line_exit_2(entry("--config", "tiny", "--device=cuda", "--mode=grpo"))
+    assert "device: cuda" in line and "CUDA is not available" in line
+
+
+def test_an_out_dir_that_cannot_be_created_exits_2(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    line = one_line_exit_2(entry("--config", "tiny", "--mode=grpo", "--max_steps=1",
+                                 f"--out_dir={blocker}/run"))
+    assert "out_dir: cannot write to" in line
+
+
+PLUGIN = '''
+from pathlib import Path
+Path("PLUGIN_RAN").write_text("imported")
+def fn(prompts, completions, targets, metas):
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    train(tiny(out, max_steps=1, save_every=1))
+    return list_checkpoints(out / "checkpoints")[-1]
+
+
+def tampered(checkpoint, tmp_path, **config):
+    state = load_checkpoint(checkpoint)
+    state["config"].update(config)
+    return save_checkpoint(state, tmp_path / "bad", 1)
+
+
+def evaluate_cmd(path, cwd, *extra):
+    return subprocess.run([sys.executable, "-m", "mini_grpo", "evaluate", "--checkpoint",
+                           str(path), *extra], capture_output=True, text=True, cwd=cwd,
+                          env=clean_env(PYTHONPATH=f"{ROOT}:{cwd}"), timeout=300)
+
+
+def test_a_checkpoint_never_imports_a_plugin_only_it_names(checkpoint, tmp_path):
+    (tmp_path / "evil.py").write_text(PLUGIN)
+    path = tampered(checkpoint, tmp_path, rewards=[{"name": "evil:fn", "weight": 1.0}])
+    line = one_line_exit_2(evaluate_cmd(path, tmp_path))
+    assert "evil:fn" in line and "not imported" in line
+    assert not (tmp_path / "PLUGIN_RAN").exists()
+    # named by the user on the command line, it is theirs to run
+    r = evaluate_cmd(path, tmp_path, "--rewards=[{name: 'evil:fn'}]", "--num_eval=4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "PLUGIN_RAN").exists()
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"n_layer": 300}, "missing weights: blocks.2."),  # compared on the meta device
+    ({"n_embd": 64}, "mismatched weights"),
+    ({"lrr": 0.1}, "config key unknown key 'lrr'"),
+    ({"lr": "fast"}, "lr: expected a number"),
+    ({"temperature": float("nan")}, "temperature: must be a finite number"),
+])
+def test_a_checkpoint_config_is_checked_like_a_users(checkpoint, tmp_path, config, needle):
+    line = one_line_exit_2(evaluate_cmd(tampered(checkpoint, tmp_path, **config), tmp_path))
+    assert needle in line
+
+
+def test_a_plugin_that_fails_every_row_exits_2_with_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("def fn(prompts, completions, targets, metas):\n"
+                                        "    raise KeyError('no such column')\n")
+    line = one_line_exit_2(entry(
+        "--config", "tiny", "--mode=grpo", "--max_steps=1", f"--out_dir={tmp_path / 'r'}",
+        "--rewards=[{name: 'broken:fn'}, {name: levenshtein}]",
+        env={"PYTHONPATH": f"{ROOT}:{tmp_path}"}))
+    assert "reward plugin 'fn' failed on" in line and "KeyError: 'no such column'" in line
