@@ -1,110 +1,318 @@
 """Measures a config: generation throughput, reward scoring, GRPO steps, 1 vs 2 processes.
 
-    python benchmark.py --config default                  # generation, rewards, step
+    python benchmark.py --config production.yaml          # every section, within --budget_s
     python benchmark.py --config default --only generation --repeats 5 --json bench/gen.json
     python benchmark.py --config default --only step --warmup 2 --steps 5
     torchrun --standalone --nproc_per_node=2 benchmark.py --config default --only step
-    python benchmark.py --config default --only scaling   # runs the step section with 1
-                                                          # process, then 2 under torchrun
+    python benchmark.py --config default --only scaling   # the step section with 1 process,
+                                                          # then 2 under torchrun
     python benchmark.py --config default --only ablations # each speed switch flipped alone
     python benchmark.py --compare A.json B.json           # ratios of B over A
 
-Generation: `--batch` prompts (held-out prompts of the config's task) and exactly
-`--new-tokens` new tokens each (EOS is ignored so both paths do the same work), with a randomly
-initialised model of the config's size; tokens/s is the median over `--repeats` runs after one
-warm-up, with the two paths interleaved so machine noise hits both alike.
-Rewards: see mini_grpo/rewards/bench.py.
-Step: real GRPO steps (generate, score, reference, policy update) of the config with a
-randomly initialised policy (or `--init_from=CKPT`); medians over the timed steps of seconds per
-step and per phase, generated and training tokens/s, and the seconds in DDP's gradient
-all-reduce (`comm`, measured by a communication hook).
-Scaling: the same global batch with 1 and 2 processes; scaling efficiency = T1 / (2 x T2).
-On a 2-core CPU both runs share the cores, so the communication share per step is the figure
-that carries over to GPUs.
+Every section builds its run with mini_grpo.run.setup from a copy of the config (overrides
+never touch the caller's) and measures the GRPO loop through the metrics it logs.
+
+Time budget (CPU): a short probe of this machine (a timed forward and a few cached sampling
+steps of the config's model, seconds at most) feeds `plan()`, which picks the sizes (generation
+batch and repeats, whether the full-recompute baseline runs whole or for a few decode steps,
+extrapolated and labelled so, reward rows, prompts per GRPO step, warm-up and timed steps) so
+that the whole command takes about --budget_s seconds (600 on a CPU; none on a GPU unless
+given). The plan and its estimate per section are printed first; whatever it shrinks or skips
+is said. Sizes given on the command line are kept as they are. Progress goes to stderr: one
+updating line on a terminal, plain lines otherwise.
+
+Generation: `batch` held-out prompts, exactly `new_tokens` new tokens each (EOS ignored, so
+both paths do the same work), the config's model with random weights; tokens/s is the median
+over `repeats` runs after one warm-up, the two paths interleaved so machine noise hits both.
+Rewards: see mini_grpo/rewards/bench.py. Step: real GRPO steps of the config from random
+weights (or `--init_from=CKPT`); medians over the timed steps of seconds per step and per
+phase, tokens/s, MFU, and the seconds in DDP's gradient all-reduce (`time/comm`).
+Scaling: the same global batch with 1 and 2 processes; efficiency = T1 / (2 x T2).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from mini_grpo.config import ConfigError, load_config, parse_cli
-from mini_grpo.precision import amp_dtype, autocast, resolve_device, setup_backends
 from mini_grpo.rollout import generate
-from mini_grpo.tasks import build_task
-from mini_grpo.tokenizer import CharTokenizer
-from mini_grpo.trainer import build_model
+
+SECTIONS = ("generation", "rewards", "step")
 
 
-def bench_generation(cfg, batch: int, new_tokens: int, repeats: int) -> dict:
-    device = resolve_device(cfg)
-    task = build_task(cfg)
-    tok = CharTokenizer(task.alphabet)
-    prompts = [tok.encode(ex.prompt, bos=True) for ex in (task.eval * batch)[:batch]]
-    cfg.block_size = max(cfg.block_size, max(map(len, prompts)) + new_tokens)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, tok.vocab_size, device).eval()
+# ---- the time budget: probe, plan, progress ----
 
-    def run(use_cache: bool) -> float:
-        g = torch.Generator(device=device).manual_seed(0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with autocast(cfg, device, generation=True):
-            r = generate(model, prompts, new_tokens, eos_id=-1, pad_id=tok.pad_id,
-                         generator=g, use_cache=use_cache)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        assert r.completion_ids.shape == (batch, new_tokens)
-        return batch * new_tokens / (time.perf_counter() - t0)
+@dataclass
+class Probe:
+    """This machine's speed on the config's model: seconds per token position of a forward
+    pass (training and sampling precision) and per cached decode step at `batch` rows."""
+    batch: int
+    fwd_token_s: float
+    fwd_token_gen_s: float
+    decode_step_s: float
+    seconds: float = 0.0  # what the probe itself took
 
-    run(True), run(False)  # warm-up
-    rates = {"kv_cache": [], "recompute": []}
-    for i in range(repeats):
-        print(f"\r[bench] generation run {i + 1}/{repeats}", end="", file=sys.stderr, flush=True)
-        rates["kv_cache"].append(run(True))
-        rates["recompute"].append(run(False))
-    print(file=sys.stderr)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"batch": batch, "new_tokens": new_tokens, "repeats": repeats,
-            "params_M": round(model.num_params() / 1e6, 3), "device": str(device),
-            "amp": cfg.use_amp, "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
-            "runs": {k: [round(x, 1) for x in v] for k, v in rates.items()},
-            "speedup_kv_vs_recompute": round(med["kv_cache"] / med["recompute"], 2)}
+
+@dataclass
+class Plan:
+    gen_batch: int = 64
+    new_tokens: int = 72
+    repeats: int = 5
+    recompute_steps: int = 72  # decode steps of the recompute baseline (< new_tokens: extrapolated)
+    reward_rows: int = 4096
+    prompts_per_step: int = 16
+    warmup: int = 2
+    steps: int = 5
+    estimate_s: dict = field(default_factory=dict)  # section -> expected seconds
+    notes: list = field(default_factory=list)  # what was shrunk or skipped, and why
+
+
+@dataclass
+class Shape:
+    """What the plan needs to know of the config: prompt length, completion length, group
+    size, passes, and whether a reference pass runs."""
+    prompt_len: int
+    max_new_tokens: int
+    group_size: int
+    num_iterations: int = 1
+    reference: bool = True
+
+
+def estimate(probe: Probe, shape: Shape, p: Plan) -> dict[str, float]:
+    """Expected seconds per section under plan p (upper bounds: a random-init policy's
+    completions often run to max_new_tokens, and decode steps cost no less per row at
+    larger batches)."""
+    def decode(rows):  # one cached decode step for `rows` rows
+        return probe.decode_step_s * max(1.0, rows / probe.batch)
+
+    P, N = shape.prompt_len, shape.max_new_tokens
+    kv = p.gen_batch * P * probe.fwd_token_gen_s + p.new_tokens * decode(p.gen_batch)
+    k = p.recompute_steps
+    recompute = k * p.gen_batch * (P + k / 2) * probe.fwd_token_gen_s
+    rows = p.prompts_per_step * shape.group_size
+    passes = (1 if shape.reference else 0) + 3 * shape.num_iterations  # backward = 2 forwards
+    step = N * decode(rows) + passes * rows * (P + N) * probe.fwd_token_s
+    return {"generation": (1 + p.repeats) * (kv + recompute),
+            "rewards": 3.0 + p.reward_rows * 18 * 20e-6,  # 6 reward sets x 3 executors
+            "step": 5.0 + (p.warmup + p.steps) * step}  # + set-up (task, model, pools)
+
+
+def plan(probe: Probe, shape: Shape, budget_s: float | None, sections=SECTIONS,
+         fixed: dict | None = None, prompts_per_step: int = 16) -> Plan:
+    """Sizes whose estimate fits `budget_s` (None: the full defaults). Shrinks, in order:
+    generation repeats, the recompute baseline (extrapolated from fewer decode steps), the
+    generation batch, reward rows, the step's warm-up and timed steps, then its prompts per
+    step. Sizes in `fixed` (given by the user) are never changed."""
+    fixed = fixed or {}
+    p = Plan(prompts_per_step=prompts_per_step)
+    for k, v in fixed.items():
+        setattr(p, k, v)
+    if "recompute_steps" not in fixed:
+        p.recompute_steps = p.new_tokens
+    if budget_s is None:
+        p.estimate_s = {s: v for s, v in estimate(probe, shape, p).items() if s in sections}
+        return p
+
+    def total():
+        return sum(v for s, v in estimate(probe, shape, p).items() if s in sections)
+
+    moves = [("repeats", [5, 3, 2]), ("recompute_steps", [p.new_tokens, 32, 16, 8, 4]),
+             ("gen_batch", [64, 32, 16, 8]), ("reward_rows", [4096, 2048, 1024]),
+             ("warmup", [2, 1]), ("steps", [5, 3, 2]),
+             ("prompts_per_step", sorted({max(1, prompts_per_step // d) for d in
+                                          (1, 2, 4, 8, 16, 32, 64)}, reverse=True))]
+    for name, values in moves:
+        if name in fixed:
+            continue
+        for v in values:
+            if total() <= budget_s:
+                break
+            if v < getattr(p, name):
+                setattr(p, name, v)
+    p.estimate_s = {s: v for s, v in estimate(probe, shape, p).items() if s in sections}
+    if p.recompute_steps < p.new_tokens and "generation" in sections:
+        p.notes.append(f"recompute baseline measured over {p.recompute_steps} of "
+                       f"{p.new_tokens} decode steps and extrapolated")
+    if p.prompts_per_step < prompts_per_step and "step" in sections:
+        p.notes.append(f"GRPO step cut from {prompts_per_step} to {p.prompts_per_step} prompts")
+    if total() > budget_s:
+        p.notes.append(f"even the smallest sizes need ~{total():.0f} s, over the "
+                       f"{budget_s:.0f} s budget")
+    return p
+
+
+def format_plan(p: Plan, probe: Probe | None, budget_s: float | None) -> str:
+    est = ", ".join(f"{s} ~{v:.0f}s" for s, v in p.estimate_s.items())
+    head = (f"[bench] plan (budget {budget_s:.0f}s): " if budget_s else "[bench] plan: ") + est
+    sizes = (f"[bench] sizes: generation batch {p.gen_batch} x {p.new_tokens} tokens, "
+             f"{p.repeats} repeats, recompute {p.recompute_steps} steps; reward rows "
+             f"{p.reward_rows}; step {p.prompts_per_step} prompts, {p.warmup} warm-up + "
+             f"{p.steps} timed")
+    lines = [head, sizes]
+    if probe:
+        lines.append(f"[bench] probe ({probe.seconds:.1f}s): forward {probe.fwd_token_s * 1e6:.1f} "
+                     f"us/token (sampling precision {probe.fwd_token_gen_s * 1e6:.1f}), cached "
+                     f"decode step {probe.decode_step_s * 1e3:.1f} ms at batch {probe.batch}")
+    lines += [f"[bench] note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+class Progress:
+    """'[bench] section i/n label, elapsed, ETA' on stderr: one updating line on a terminal,
+    plain lines otherwise (CI logs)."""
+
+    def __init__(self, section: str, total: int, expected_s: float | None = None):
+        self.section, self.total, self.expected = section, total, expected_s
+        self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, i: int, label: str = "") -> None:
+        el = time.perf_counter() - self.t0
+        if i > 0:
+            eta = f"ETA {el / i * (self.total - i):.0f}s"
+        else:
+            eta = f"ETA ~{self.expected:.0f}s" if self.expected else "ETA ?"
+        text = f"[bench] {self.section} {i}/{self.total} {label} | {el:.0f}s elapsed, {eta}"
+        print(("\r" + text + "\033[K") if self.tty else text, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def probe_machine(cfg, task, batch: int = 8) -> tuple[Probe, Shape]:
+    """Times the config's model (random weights): a forward over batch x 64 tokens in each
+    precision, and the cached decode steps between 2 and 6 new tokens."""
+    from mini_grpo.run import setup
+
+    t_start = time.perf_counter()
+    with setup(cfg, log=False, task=task) as run:
+        model, prec = run.model.eval(), run.precision
+        prompt_len = max(len(ex.prompt) for ex in run.task.eval) + 1
+        T = min(64, cfg.block_size)
+        x = torch.randint(4, model.cfg.vocab_size, (batch, T))
+
+        def timed(fn, reps=2):
+            fn()  # warm-up
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        def fwd(generation):
+            with torch.no_grad(), prec.autocast(generation=generation):
+                model(x, logits_from=T - 1)
+
+        def gen(n):
+            with prec.autocast(generation=True):
+                generate(model, x[:, :8].tolist(), n, eos_id=-1, pad_id=0, greedy=True)
+
+        fwd_train = timed(lambda: fwd(False)) / (batch * T)
+        fwd_gen = timed(lambda: fwd(True)) / (batch * T)
+        decode = max(timed(lambda: gen(6)) - timed(lambda: gen(2)), 1e-6) / 4
+        shape = Shape(prompt_len, cfg.max_new_tokens, cfg.group_size, cfg.num_iterations,
+                      cfg.beta != 0)
+    return Probe(batch, fwd_train, fwd_gen, decode, time.perf_counter() - t_start), shape
+
+
+# ---- sections ----
+
+def overridden(cfg, **changes):
+    """A copy of cfg with `changes`: the caller's config is never mutated."""
+    c = copy.deepcopy(cfg)
+    for k, v in changes.items():
+        setattr(c, k, v)
+    return c
+
+
+def bench_generation(cfg, p: Plan, task) -> dict:
+    from mini_grpo.run import setup
+
+    examples = (task.eval * p.gen_batch)[:p.gen_batch]
+    need = max(len(ex.prompt) for ex in examples) + 1 + p.new_tokens
+    # learned positions: the model needs room for prompt + new_tokens
+    with setup(overridden(cfg, block_size=max(cfg.block_size, need)), log=False,
+               task=task) as run:
+        tok, device, model = run.tok, run.device, run.model.eval()
+        prompts = [tok.encode(ex.prompt, bos=True) for ex in examples]
+
+        def timed_run(use_cache: bool) -> float:
+            n = p.new_tokens if use_cache else p.recompute_steps
+            g = torch.Generator(device=device).manual_seed(0)
+            _sync(device)
+            t0 = time.perf_counter()
+            with run.precision.autocast(generation=True):
+                r = generate(model, prompts, n, eos_id=-1, pad_id=tok.pad_id, generator=g,
+                             use_cache=use_cache)
+            _sync(device)
+            assert r.completion_ids.shape == (p.gen_batch, n)
+            return p.gen_batch * n / (time.perf_counter() - t0)
+
+        prog = Progress("generation", 2 * (p.repeats + 1), p.estimate_s.get("generation"))
+        rates = {"kv_cache": [], "recompute": []}
+        for i in range(p.repeats + 1):  # run 0 warms up
+            for j, (name, cached) in enumerate((("kv_cache", True), ("recompute", False))):
+                prog.update(2 * i + j, f"{'warm-up' if i == 0 else f'run {i}'} {name}")
+                rate = timed_run(cached)
+                if i:
+                    rates[name].append(rate)
+        prog.update(2 * (p.repeats + 1), "done")
+        prog.done()
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        return {"batch": p.gen_batch, "new_tokens": p.new_tokens, "repeats": p.repeats,
+                "recompute_steps": p.recompute_steps,
+                "recompute_extrapolated": p.recompute_steps < p.new_tokens,
+                "params_M": round(model.num_params() / 1e6, 3), "device": str(device),
+                "precision": run.precision.describe(),
+                "tokens_per_s": {k: round(v, 1) for k, v in med.items()},
+                "runs": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+                "speedup_kv_vs_recompute": round(med["kv_cache"] / med["recompute"], 2)}
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def format_generation(r: dict) -> str:
     t = r["tokens_per_s"]
+    rec = "recompute" + (f" ({r['recompute_steps']} steps, extrapolated)"
+                         if r["recompute_extrapolated"] else "")
     return "\n".join([
         f"generation: batch {r['batch']}, {r['new_tokens']} new tokens, {r['params_M']}M params, "
-        f"{r['device']}, amp={r['amp']}, median of {r['repeats']}",
+        f"{r['device']}, {r['precision']}, median of {r['repeats']}",
         f"  {'KV cache':<12} {t['kv_cache']:>10.0f} tok/s",
-        f"  {'recompute':<12} {t['recompute']:>10.0f} tok/s",
+        f"  {rec:<12} {t['recompute']:>10.0f} tok/s",
         f"  speed-up     {r['speedup_kv_vs_recompute']:>10.2f}x"])
 
 
 def matmul_peak(device, dtype, n: int = 2048, repeats: int = 20) -> float:
     """Measured peak of this device: GFLOP/s of an n x n matmul in `dtype`, best of
     `repeats` runs into a preallocated output (noise on a shared machine only slows runs
-    down, so the best run is the estimate of the peak; the median moved by 1.3-2.2 TFLOP/s
-    between runs here)."""
+    down, so the best run is the estimate of the peak)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     times = []
     for _ in range(repeats + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
         torch.matmul(a, b, out=c)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / min(times[2:]) / 1e9
 
@@ -137,62 +345,56 @@ def peak_memory(device) -> dict:
     return out
 
 
-def bench_step(cfg, warmup: int, steps: int, task=None) -> dict:
-    """Real GRPO steps through the trainer; works alone or as one rank under torchrun."""
-    import tempfile
-
-    from mini_grpo import distributed as D
-    from mini_grpo.precision import compile_with_fallback
-    from mini_grpo.reference import Reference
-    from mini_grpo.scoring import RewardScorer
+def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None,
+               task=None, expected_s: float | None = None) -> dict:
+    """Real GRPO steps through the trainer (alone, or as one rank under torchrun), measured
+    from the metrics it writes to metrics.jsonl."""
+    from mini_grpo.run import setup
     from mini_grpo.trainer import train_grpo
 
-    dist = D.init(cfg.dist_timeout)
-    device = resolve_device(cfg, dist.local_rank)
-    setup_backends(cfg, dist.local_world_size)
-    task = task or build_task(cfg)
-    tok = CharTokenizer(task.alphabet)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, tok.vocab_size, device)
-    if cfg.init_from:
-        from mini_grpo.checkpoint import load_checkpoint
-        model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
-    trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
-    net, comm = D.wrap_ddp(trained, device)
-    reference = Reference(model, device, cfg.offload_reference) if cfg.beta else None
-    cfg.max_steps, cfg.eval_every, cfg.save_every = warmup + steps, 10**9, 10**9
-    with tempfile.TemporaryDirectory() as tmp, RewardScorer.from_config(cfg, task) as scorer:
-        cfg.out_dir = tmp
-        history = train_grpo(cfg, task, tok, model, net, reference, scorer, device, dist,
-                             None, comm=comm)
-    del net, trained  # DDP's reducer must not outlive the process group (abort at exit)
-    D.cleanup()
-    timed = history[warmup:]
+    with tempfile.TemporaryDirectory() as tmp:
+        c = overridden(cfg, max_steps=warmup + steps, eval_every=10**9, save_every=10**9,
+                       log_every=1, out_dir=tmp, resume="never", mode="grpo",
+                       prompts_per_step=prompts_per_step or cfg.prompts_per_step)
+        with setup(c, task=task if task is not None else True) as run:
+            if run.logger:
+                run.logger.console = sys.stderr
+                run.logger.prefix = f"[bench] step section ({warmup} warm-up + {steps} timed" \
+                    + (f", ~{expected_s:.0f}s planned" if expected_s else "") + "): "
+            run.freeze_reference()
+            train_grpo(run)
+            model, device, dist, prec = run.model, run.device, run.dist, run.precision
+            rows = [json.loads(line) for line in open(f"{tmp}/metrics.jsonl")] \
+                if dist.is_main else []
+    if not dist.is_main:
+        return {"is_main": False}
+    timed = [r for r in rows if "time/step" in r][warmup:]
     med = lambda key: statistics.median(h[key] for h in timed)
     step_s = [h["time/step"] for h in timed]
     phases = ("generate", "reward", "reference", "policy", "optimizer", "comm")
     out = {"world_size": dist.world_size, "warmup": warmup, "steps": steps,
-           "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
-           "params_M": round(model.num_params() / 1e6, 3), "amp": cfg.use_amp,
+           "prompts_per_step": c.prompts_per_step, "group_size": c.group_size,
+           "params_M": round(model.num_params() / 1e6, 3), "precision": prec.describe(),
            "step_s": {"median": statistics.median(step_s), "min": min(step_s),
                       "max": max(step_s)},
            "phase_s": {p: med(f"time/{p}") for p in phases},
            "generated_tokens_per_s": med("tokens_per_s"),
            "train_tokens_per_s": statistics.median(h["tokens/train"] / h["time/step"]
                                                    for h in timed),
-           "is_main": dist.is_main}
+           "is_main": True}
     out["phase_share"] = {p: v / out["step_s"]["median"] for p, v in out["phase_s"].items()}
     # MFU: model FLOPs (real tokens only) over the peak measured here in the dtype in use
-    dtype = amp_dtype(cfg, device) or torch.float32
+    dtype = prec.dtype or torch.float32
     peak = matmul_peak(device, dtype)
-    gen_tok = med("completion_len/mean") * cfg.prompts_per_step * cfg.group_size
+    rows_per_step = c.prompts_per_step * c.group_size
+    gen_tok = med("completion_len/mean") * rows_per_step
     # FLOPs are counted on the tokens computed (each prompt once per group), not on every
     # row's prompt + completion: the MFU of the work done, not of work skipped
     train_tok = med("tokens/unique")
-    ctx = med("tokens/train") / (cfg.prompts_per_step * cfg.group_size) / 2  # mean context
+    ctx = med("tokens/train") / rows_per_step / 2  # mean context
     flops = {"generate": model_flops(model, gen_tok, ctx),
-             "reference": model_flops(model, train_tok, ctx) if cfg.beta else 0.0,
-             "policy": model_flops(model, train_tok, ctx, backward=True) * cfg.num_iterations}
+             "reference": model_flops(model, train_tok, ctx) if c.beta else 0.0,
+             "policy": model_flops(model, train_tok, ctx, backward=True) * c.num_iterations}
     # the policy's forward+backward alone: its phase less the optimizer (and clipping) and
     # the gradient all-reduce that runs inside the last backward
     secs = dict(out["phase_s"], policy=out["phase_s"]["policy"] - out["phase_s"]["optimizer"]
@@ -216,29 +418,34 @@ def bench_step(cfg, warmup: int, steps: int, task=None) -> dict:
     return out
 
 
-# each switch toggled alone against the config's own value (kv_cache: off only)
+# each switch flipped alone against the config's own value (kv_cache: off only)
 ABLATIONS = ["use_amp", "use_tf32", "compile_model", "gradient_checkpointing",
-             "fused_optimizer", "offload_reference", "parallel_rewards", "kv_cache"]
+             "fused_optimizer", "offload_reference", "reward_executor", "kv_cache"]
+
+
+def _flipped(cfg, name: str):
+    if name == "reward_executor":
+        return "serial" if cfg.reward_executor != "serial" else "process"
+    return not getattr(cfg, name)
 
 
 def bench_ablations(cfg, warmup: int, steps: int) -> dict:
     """The step section for the config and for each switch flipped alone, in one process."""
-    import copy
+    from mini_grpo.tasks import build_task
 
     task = build_task(cfg)
+    names = ["base"] + [n for n in ABLATIONS if n != "kv_cache" or cfg.kv_cache] + \
+        ["base (again)"]  # the base runs first and last: a process's first run ran slower
+    prog = Progress("ablations", len(names))
     runs = {}
-    # the base runs first and last: the first run of a process was measured slower here
-    for name in ["base"] + ABLATIONS + ["base (again)"]:
-        c = copy.deepcopy(cfg)
-        if not name.startswith("base"):
-            setattr(c, name, not getattr(cfg, name))
-        if name == "kv_cache" and not cfg.kv_cache:
-            continue
+    for i, name in enumerate(names):
+        c = cfg if name.startswith("base") else overridden(cfg, **{name: _flipped(cfg, name)})
         label = name if name.startswith("base") else f"{name}={getattr(c, name)}"
-        print(f"[bench] ablation {label}", file=sys.stderr, flush=True)
+        prog.update(i, label)
         # full recompute is ~20x slower to generate: fewer steps tell the same story
         w, n = (1, 2) if name == "kv_cache" else (warmup, steps)
         runs[label] = bench_step(c, w, n, task=task)
+    prog.update(len(names), "done")
     base = (runs["base"]["step_s"]["median"] + runs["base (again)"]["step_s"]["median"]) / 2
     for r in runs.values():
         r["step_ratio_vs_base"] = r["step_s"]["median"] / base
@@ -259,7 +466,7 @@ def format_ablations(runs: dict) -> str:
 def format_step(r: dict) -> str:
     s = r["step_s"]
     lines = [f"GRPO step: {r['world_size']} process(es), {r['prompts_per_step']} prompts x "
-             f"{r['group_size']}, {r['params_M']}M params, amp={r['amp']}, median of "
+             f"{r['group_size']}, {r['params_M']}M params, {r['precision']}, median of "
              f"{r['steps']} after {r['warmup']} warm-up",
              f"  seconds/step   {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f})",
              f"  generated      {r['generated_tokens_per_s']:.0f} tok/s",
@@ -283,12 +490,10 @@ def format_step(r: dict) -> str:
 
 def bench_scaling(args, rest) -> dict:
     """The step section with 1 process here, then 2 under torchrun, same global batch."""
-    import os
     import subprocess
-    import tempfile
 
-    cmd = ["--config", args.config, "--only", "step", "--warmup", str(args.warmup),
-           "--steps", str(args.steps), *rest]
+    cmd = ["--config", args.config, "--only", "step", "--warmup", str(args.warmup or 2),
+           "--steps", str(args.steps or 5), *rest]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in (1, 2):
@@ -334,19 +539,30 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
-    ap.add_argument("--only",
-                    choices=["generation", "rewards", "step", "scaling", "ablations"])
-    ap.add_argument("--batch", type=int, default=None,
-                    help="generation batch (default 64; 16 for a GPU config on a CPU)")
-    ap.add_argument("--new-tokens", type=int, default=72)
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="generation runs (default 5; 2 for a GPU config on a CPU)")
-    ap.add_argument("--reward-rows", type=int, default=4096)
-    ap.add_argument("--warmup", type=int, default=2, help="untimed GRPO steps")
-    ap.add_argument("--steps", type=int, default=5, help="timed GRPO steps")
+    ap.add_argument("--only", choices=[*SECTIONS, "scaling", "ablations"])
+    ap.add_argument("--budget_s", type=float, default=None,
+                    help="seconds the command should take (default 600 on a CPU, none on a "
+                         "GPU); 0 = no budget, the full sizes")
+    ap.add_argument("--batch", type=int, default=None, help="generation batch (default 64)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 72")
+    ap.add_argument("--repeats", type=int, default=None, help="generation runs (default 5)")
+    ap.add_argument("--reward-rows", type=int, default=None, help="default 4096")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed GRPO steps (default 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed GRPO steps (default 5)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     args, rest = ap.parse_known_args(argv)
@@ -354,48 +570,69 @@ def main(argv=None) -> int:
         print(compare(*args.compare))
         return 0
     try:
-        cfg = load_config(args.config, parse_cli(rest)[1])
+        overrides = parse_cli(rest)[1]
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    threads = setup_backends(cfg)
-    if cfg.num_train > 20000 and not (cfg.data_path or cfg.pgn_path):
+    if cfg.task == "chess_fen" and cfg.task_args["num_train"] > 20000 and not (
+            cfg.data_path or cfg.task_args["pgn_path"]):
         # timing needs a few batches of prompts, not the 500k games a long run trains on
         # (generating those takes minutes): the prompts drawn differ, the work per step not
-        cfg.num_train = 20000
-    if resolve_device(cfg).type == "cpu" and cfg.prompts_per_step * cfg.group_size > 128:
-        # a GPU-sized batch would take minutes per step here: keep the model, cut the batch
-        cfg.prompts_per_step = max(1, 64 // cfg.group_size)
-        cfg.compile_model = False
-        # full recompute of a large model takes ~1 minute per batch-64 run here
-        args.batch, args.repeats = args.batch or 16, args.repeats or 2
-        print(f"[bench] CPU: {args.config} assumes GPUs; running it scaled down to "
-              f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions per step, "
-              f"compile off, generation batch {args.batch} x {args.repeats} runs (the model "
-              f"size is kept)", file=sys.stderr, flush=True)
-    args.batch, args.repeats = args.batch or 64, args.repeats or 5
-    result = {"config": args.config, "machine": platform.processor() or platform.machine(),
-              "threads": threads, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d")}
-    if args.only in (None, "generation"):
-        result["generation"] = bench_generation(cfg, args.batch, args.new_tokens, args.repeats)
+        cfg = overridden(cfg, task_args={**cfg.task_args, "num_train": 20000})
+    on_cpu = not torch.cuda.is_available() or cfg.device == "cpu"
+    if on_cpu and cfg.compile_model:
+        cfg = overridden(cfg, compile_model=False)  # ~30 s cold start, slower on a CPU
+        print("[bench] CPU: compile_model off (a ~30 s cold start per run, slower than "
+              "eager on a CPU)", file=sys.stderr)
+    budget = args.budget_s if args.budget_s is not None else (600.0 if on_cpu else None)
+    budget = budget or None  # 0 = none
+    sections = (args.only,) if args.only in SECTIONS else SECTIONS if args.only is None else ()
+    fixed = {k: v for k, v in (("gen_batch", args.batch), ("new_tokens", args.new_tokens),
+                               ("repeats", args.repeats), ("reward_rows", args.reward_rows),
+                               ("warmup", args.warmup), ("steps", args.steps)) if v is not None}
+    if "prompts_per_step" in overrides:
+        fixed["prompts_per_step"] = cfg.prompts_per_step
+    from mini_grpo.tasks import build_task
+
+    task = build_task(cfg) if sections else None
+    probe = None
+    if sections and budget:
+        probe, shape = probe_machine(cfg, task)
+        p = plan(probe, shape, budget, sections, fixed, cfg.prompts_per_step)
+    else:
+        p = plan(Probe(1, 0.0, 0.0, 0.0), Shape(1, 1, cfg.group_size), None, sections, fixed,
+                 cfg.prompts_per_step)
+    if sections:
+        print(format_plan(p, probe, budget), file=sys.stderr, flush=True)
+    result = {"config": args.config, "cpu": cpu_model(), "machine": platform.machine(),
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "budget_s": budget, "plan": asdict(p), "probe": asdict(probe) if probe else None}
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+    t_start = time.perf_counter()
+    if "generation" in sections:
+        result["generation"] = bench_generation(cfg, p, task)
         print(format_generation(result["generation"]))
     if args.only == "ablations":
-        result["ablations"] = bench_ablations(cfg, args.warmup, args.steps)
+        result["ablations"] = bench_ablations(cfg, args.warmup or 1, args.steps or 4)
         print(format_ablations(result["ablations"]))
     if args.only == "scaling":
         result["scaling"] = bench_scaling(args, rest)
         print(format_scaling(result["scaling"]))
-    if args.only in (None, "rewards"):
+    if "rewards" in sections:
         from mini_grpo.rewards.bench import format_reward_table, run_reward_benchmark
-        result["rewards"] = run_reward_benchmark(n=args.reward_rows, seed=cfg.seed,
+        result["rewards"] = run_reward_benchmark(n=p.reward_rows, seed=cfg.seed,
                                                  workers=cfg.num_reward_workers)
         print(format_reward_table(result["rewards"]))
-    if args.only in (None, "step"):
-        result["step"] = bench_step(cfg, args.warmup, args.steps)
+    if "step" in sections:
+        result["step"] = bench_step(cfg, p.warmup, p.steps, p.prompts_per_step, task=task,
+                                    expected_s=p.estimate_s.get("step"))
         if not result["step"]["is_main"]:
             return 0
         print(format_step(result["step"]))
+    result["seconds"] = time.perf_counter() - t_start
+    print(f"[bench] done in {result['seconds']:.0f}s", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
