@@ -56,12 +56,16 @@ SECTIONS = ("generation", "rewards", "step")
 @dataclass
 class Probe:
     """This machine's speed on the config's model: seconds per token position of a forward
-    pass (training and sampling precision) and per cached decode step at `batch` rows."""
-    batch: int
+    pass (training and sampling precision), and a cached decode step's seconds as a line in
+    the rows decoded, fitted through two batch sizes: decode_step_s + decode_row_s x rows."""
     fwd_token_s: float
     fwd_token_gen_s: float
     decode_step_s: float
+    decode_row_s: float
     seconds: float = 0.0  # what the probe itself took
+
+    def decode(self, rows: int) -> float:
+        return self.decode_step_s + self.decode_row_s * rows
 
 
 @dataclass
@@ -90,12 +94,9 @@ class Shape:
 
 
 def estimate(probe: Probe, shape: Shape, p: Plan) -> dict[str, float]:
-    """Expected seconds per section under plan p (upper bounds: a random-init policy's
-    completions often run to max_new_tokens, and decode steps cost no less per row at
-    larger batches)."""
-    def decode(rows):  # one cached decode step for `rows` rows
-        return probe.decode_step_s * max(1.0, rows / probe.batch)
-
+    """Expected seconds per section under plan p (upper bounds where it guesses: a random-init
+    policy's completions often run to max_new_tokens)."""
+    decode = probe.decode
     P, N = shape.prompt_len, shape.max_new_tokens
     kv = p.gen_batch * P * probe.fwd_token_gen_s + p.new_tokens * decode(p.gen_batch)
     k = p.recompute_steps
@@ -163,7 +164,8 @@ def format_plan(p: Plan, probe: Probe | None, budget_s: float | None) -> str:
     if probe:
         lines.append(f"[bench] probe ({probe.seconds:.1f}s): forward {probe.fwd_token_s * 1e6:.1f} "
                      f"us/token (sampling precision {probe.fwd_token_gen_s * 1e6:.1f}), cached "
-                     f"decode step {probe.decode_step_s * 1e3:.1f} ms at batch {probe.batch}")
+                     f"decode step {probe.decode_step_s * 1e3:.2f} ms + "
+                     f"{probe.decode_row_s * 1e3:.3f} ms/row")
     lines += [f"[bench] note: {n}" for n in p.notes]
     return "\n".join(lines)
 
@@ -194,7 +196,8 @@ class Progress:
 
 def probe_machine(cfg, task, batch: int = 8) -> tuple[Probe, Shape]:
     """Times the config's model (random weights): a forward over batch x 64 tokens in each
-    precision, and the cached decode steps between 2 and 6 new tokens."""
+    precision, and the cached decode steps between 2 and 6 new tokens at batch and 4 x batch
+    rows."""
     from mini_grpo.run import setup
 
     t_start = time.perf_counter()
@@ -217,16 +220,22 @@ def probe_machine(cfg, task, batch: int = 8) -> tuple[Probe, Shape]:
             with torch.no_grad(), prec.autocast(generation=generation):
                 model(x, logits_from=T - 1)
 
-        def gen(n):
-            with prec.autocast(generation=True):
-                generate(model, x[:, :8].tolist(), n, eos_id=-1, pad_id=0, greedy=True)
+        def decode_step(rows):  # seconds of one decode step: 6 new tokens less 2, over 4
+            prompts = x[:, :8].tolist() * (rows // batch)
+
+            def gen(n):
+                with prec.autocast(generation=True):
+                    generate(model, prompts, n, eos_id=-1, pad_id=0, greedy=True)
+            return max(timed(lambda: gen(6)) - timed(lambda: gen(2)), 1e-7) / 4
 
         fwd_train = timed(lambda: fwd(False)) / (batch * T)
         fwd_gen = timed(lambda: fwd(True)) / (batch * T)
-        decode = max(timed(lambda: gen(6)) - timed(lambda: gen(2)), 1e-6) / 4
+        small, large = decode_step(batch), decode_step(4 * batch)
+        per_row = max((large - small) / (3 * batch), 0.0)
         shape = Shape(prompt_len, cfg.max_new_tokens, cfg.group_size, cfg.num_iterations,
                       cfg.beta != 0)
-    return Probe(batch, fwd_train, fwd_gen, decode, time.perf_counter() - t_start), shape
+    return Probe(fwd_train, fwd_gen, max(small - per_row * batch, 0.0), per_row,
+                 time.perf_counter() - t_start), shape
 
 
 # ---- sections ----
@@ -601,7 +610,7 @@ def main(argv=None) -> int:
         probe, shape = probe_machine(cfg, task)
         p = plan(probe, shape, budget, sections, fixed, cfg.prompts_per_step)
     else:
-        p = plan(Probe(1, 0.0, 0.0, 0.0), Shape(1, 1, cfg.group_size), None, sections, fixed,
+        p = plan(Probe(0.0, 0.0, 0.0, 0.0), Shape(1, 1, cfg.group_size), None, sections, fixed,
                  cfg.prompts_per_step)
     if sections:
         print(format_plan(p, probe, budget), file=sys.stderr, flush=True)

@@ -26,6 +26,9 @@ import yaml
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+TRACKERS = ("tensorboard", "wandb")  # report_to: where metrics go beside metrics.jsonl
+
+
 class ConfigError(ValueError):
     """Bad configuration input: the message is one line naming the culprit."""
 
@@ -106,9 +109,8 @@ class GRPOConfig:
 
     # ---- rejection-sampling fine-tuning (mode: rft) ----
     rft_oversample: int = 16  # completions sampled per prompt
-    # prompts per batched generation pass (x rft_oversample rows). On the 2-core CPU, 64 prompts
-    # x 16: 52 completions/s at 1 prompt per pass, 93 at 8, 88 at 16, 67 at 32, 60 at 64 (the
-    # KV cache of 1,024 rows outgrows the caches); GPUs want far larger passes
+    # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
+    # the 2-core CPU (README's RFT table); GPUs want far larger passes
     rft_prompts_per_batch: int = 8
     rft_min_reward: float = 0.9  # keep a completion only at or above this reward
     rft_keep: Literal["best", "all"] = "best"  # per prompt: the best one, or every distinct one
@@ -119,18 +121,20 @@ class GRPOConfig:
     # ---- evaluation, logging, checkpoints ----
     eval_every: int = 50
     log_every: int = 1
+    # metrics.jsonl always; plus any of tensorboard, wandb (pip install -e .[wandb])
+    report_to: list = dataclasses.field(default_factory=lambda: ["tensorboard"])
     save_every: int = 50
     keep_checkpoints: int = 3
 
     # ---- precision and speed ----
-    # torch.autocast around forward passes. On by default: bf16 autocast doubled SFT tokens/s
-    # on a 2-core AVX-512-BF16 CPU (8.3k -> 16-19k); `auto` falls back to fp32 on CPUs
-    # without bf16 units, where it would be slower.
+    # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
+    # with bf16 units, whichever of bf16 and fp32 a probe at start (precision.probe_dtypes)
+    # runs faster: bf16 doubled SFT tokens/s on a Xeon with AMX (8.3k -> 16-19k), while on an
+    # AMD Zen4 (AVX-512 BF16, no AMX) the same job ran 2.3x slower in all
     use_amp: bool = True
     amp_dtype: Literal["bfloat16", "float16", "auto"] = "auto"
-    # autocast while sampling too (auto = follow use_amp). On the 2-core CPU, alone, sampling
-    # ran faster in fp32 (6.7k vs 5.7k tok/s, batch 128), but inside the GRPO step bf16 sampling
-    # was faster (1.65 vs 1.82 s per step, alternating runs): the step decides.
+    # autocast while sampling; auto = follow use_amp, and on a CPU the probe's faster of the
+    # two (Zen4 sampled 1.5x slower in bf16, 1.31 vs 0.85 s per step; AMX faster)
     generation_amp: Literal["auto", "on", "off"] = "auto"
     use_tf32: bool = True  # TF32 matmuls on Ampere+; no-op elsewhere
     # ~30 s cold start; on the 2-core CPU the compiled policy update ran 2.5x slower than
@@ -150,11 +154,7 @@ class GRPOConfig:
     dist_timeout: float = 600.0
 
     def validate(self) -> None:
-        """Range checks that types alone cannot express; fills in the task's arguments."""
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{f.name}: must be a finite number, got {v}")
+        """Range checks types cannot express (values are typed and finite: _coerce)."""
         positive = ["num_eval", "n_layer", "n_head", "n_embd", "block_size",
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
@@ -191,6 +191,9 @@ class GRPOConfig:
             raise ConfigError("resume: must be auto, never or a checkpoint path")
         if self.rewards is not None:
             _check_rewards(self.rewards)
+        if set(self.report_to) - set(TRACKERS):
+            raise ConfigError(f"report_to: must list only {', '.join(TRACKERS)}, got "
+                              f"{self.report_to}")
         from mini_grpo.tasks import resolve_task_args  # the task validates its own options
 
         self.task_args = resolve_task_args(self.task, self.task_args)
@@ -206,21 +209,13 @@ class GRPOConfig:
 
 # Environment variables that switch features; the README's table is generated from this.
 ENV_VARS: dict[str, str] = {
-    "USE_AMP": "use_amp",
-    "AMP_DTYPE": "amp_dtype",
-    "USE_TF32": "use_tf32",
-    "COMPILE_MODEL": "compile_model",
-    "GRADIENT_CHECKPOINTING": "gradient_checkpointing",
-    "OFFLOAD_REFERENCE": "offload_reference",
-    "FUSED_OPTIMIZER": "fused_optimizer",
-    "COMPILE_MODE": "compile_mode",
+    "USE_AMP": "use_amp", "AMP_DTYPE": "amp_dtype", "USE_TF32": "use_tf32",
+    "COMPILE_MODEL": "compile_model", "COMPILE_MODE": "compile_mode",
+    "GRADIENT_CHECKPOINTING": "gradient_checkpointing", "OFFLOAD_REFERENCE": "offload_reference",
+    "FUSED_OPTIMIZER": "fused_optimizer", "REWARD_EXECUTOR": "reward_executor",
     "PARALLEL_REWARDS": "parallel_rewards",  # legacy switch: false = reward_executor serial
-    "REWARD_EXECUTOR": "reward_executor",
-    "NUM_WORKERS": "num_reward_workers",
-    "NUM_THREADS": "num_threads",
-    "CPU_MALLOC_CACHE": "cpu_malloc_cache",
-    "OUT_DIR": "out_dir",
-    "SEED": "seed",
+    "NUM_WORKERS": "num_reward_workers", "NUM_THREADS": "num_threads",
+    "CPU_MALLOC_CACHE": "cpu_malloc_cache", "OUT_DIR": "out_dir", "SEED": "seed",
     "MAX_STEPS": "max_steps",
 }
 
@@ -313,14 +308,11 @@ def _coerce(key: str, value: Any, where: str = "", tp: Any = None) -> Any:
                 value = float(value.strip())
             except ValueError:
                 raise bad from None
-            if not math.isfinite(value):
-                raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
-            return float(value)
-        raise bad
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad
+        if not math.isfinite(value):  # NaN/Inf pass every `<= 0` check and break runs later
+            raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
+        return float(value)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -432,7 +424,7 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
                 base_where: str = "") -> GRPOConfig:
     """Builds the config from defaults < `base` (a checkpoint's stored config, checked like
     any other layer) < YAML < environment < overrides, then validates it."""
-    layers = _Layers()
+    layers, rows = _Layers(), None
     for key, value in (base or {}).items():
         if key in LEGACY_TASK_ARGS:  # saved before task_args existed
             key = f"task_args.{key}"
@@ -450,7 +442,7 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
         layers.set(key, value, "command line: --")
     cfg = GRPOConfig(**layers.values)
     cfg.validate()
-    if config and not _read_yaml(path):
+    if rows == {}:
         print(f"[mini-grpo] note: {path} sets nothing: every key takes its default",
               file=sys.stderr)
     return cfg

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
-from .config import ConfigError
+from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
 from .rft import generate_rft_data
 from .run import Run, setup
@@ -93,6 +93,10 @@ def check_resume(run: Run, state: dict, path: str) -> None:
                               f"resumed as GRPO; start from its weights with --init_from={path}")
     if state.get("tokenizer") != run.tok.chars:
         raise CheckpointError(f"{path}: its tokenizer differs from this task's alphabet")
+    try:  # resolved like a user's config: older checkpoints' keys migrate, bad ones fail
+        saved = load_config(None, env={}, base=saved, base_where=f"{path}: ").to_dict()
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     now = cfg.to_dict()
     fixed = [k for k in RESUME_FIXED if saved.get(k) != now.get(k)]
     if fixed:

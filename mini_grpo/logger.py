@@ -1,30 +1,39 @@
-"""Run logging: console progress, TensorBoard scalars and text, and metrics.jsonl.
+"""Run logging: console progress, metrics.jsonl, and the trackers in `report_to`.
 
-Only rank 0 creates a RunLogger; the same scalar names go to TensorBoard and to
-`metrics.jsonl` (one JSON object per logged step, with "step").
+Only rank 0 creates a RunLogger; the same scalar names go to `metrics.jsonl` (one JSON object
+per logged step, with "step"), TensorBoard (`<out_dir>/tb`) and Weights & Biases (optional:
+`pip install -e .[wandb]`; its project is WANDB_PROJECT, default mini-grpo, and WANDB_MODE=
+offline keeps the run in `<out_dir>/wandb` for a later `wandb sync`). SFT and RFT metrics carry
+their own step (`sft/step`, `rft/step`) in W&B, since its steps must only grow.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
+from .config import ConfigError
+
 
 class RunLogger:
-    def __init__(self, out_dir: str | Path, total_steps: int, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, total_steps: int,
+                 report_to=("tensorboard",), config: dict | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.jsonl = open(self.out_dir / "metrics.jsonl", "a")
         self.console = sys.stdout  # where progress lines go (benchmark.py: stderr)
         self.prefix = ""  # put before each progress line
-        self.tb = None
-        if tensorboard:
+        self.tb = self.wandb = None
+        if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.out_dir / "tb"))
+        if "wandb" in report_to:
+            self.wandb = _wandb_run(self.out_dir, config)
         self.start_clock(0)
 
     def start_clock(self, step: int) -> None:
@@ -38,12 +47,18 @@ class RunLogger:
             row[prefix + k] = v if math.isfinite(v) else str(v)
             if self.tb is not None:
                 self.tb.add_scalar(prefix + k, v, step)
+        if self.wandb is not None:
+            stage = prefix.split("/")[0] if prefix in ("sft/", "rft/") else ""
+            self.wandb.log({**{k: v for k, v in row.items() if k != "step"},
+                            f"{stage}/step" if stage else "step": step})
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.tb is not None:
             self.tb.add_text(tag, text, step)
+        if self.wandb is not None:
+            self.wandb.log({f"text/{tag}": text, "step": step})
 
     def event(self, step: int, message: str) -> None:
         """Something the user must notice: console, TensorBoard text and the JSONL."""
@@ -65,3 +80,19 @@ class RunLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(out_dir: Path, config: dict | None):
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("report_to: wandb needs the wandb package: pip install -e .[wandb]"
+                          ) from None
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mini-grpo"), dir=str(out_dir),
+                     config=config, name=out_dir.name)
+    for stage in ("sft", "rft"):
+        run.define_metric(f"{stage}/step")
+        run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
+    return run

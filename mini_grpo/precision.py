@@ -95,6 +95,7 @@ def resolve_precision(cfg: GRPOConfig, device: torch.device, model=None) -> Prec
             (auto_train and dtype == torch.bfloat16)
             or (cfg.generation_amp == "auto" and gen == torch.bfloat16)):
         probe = probe_dtypes(model, cfg.block_size,
+                             min(64, cfg.prompts_per_step * cfg.group_size),
                              bf16_attn="manual" if cfg.attn_impl == "auto" else cfg.attn_impl)
         if auto_train and probe["train_bf16"] > probe["train_fp32"]:
             dtype = None
@@ -103,22 +104,22 @@ def resolve_precision(cfg: GRPOConfig, device: torch.device, model=None) -> Prec
     return Precision(device, dtype, gen, probe)
 
 
-def probe_dtypes(model, block_size: int, batch: int = 4, reps: int = 2,
+def probe_dtypes(model, block_size: int, sample_rows: int = 64, reps: int = 2,
                  bf16_attn: str = "manual") -> dict[str, float]:
-    """Seconds of a forward+backward (batch x 32 tokens) and of 8 cached sampling steps
-    (batch x 4 rows) under fp32 and bf16, median of `reps` after a warm-up, alternating; the
-    bf16 training pass uses the attention `attn_impl: auto` would pick under bf16 (manual).
+    """Seconds, under fp32 and bf16, of a forward+backward over 4 x 64 tokens and of 8 cached
+    sampling steps for `sample_rows` rows (groups of 8 sharing a 32-token prompt, as a GRPO
+    step samples them): median of `reps` after a warm-up round, the dtypes alternating. The
+    bf16 training pass uses the attention `attn_impl: auto` picks under bf16 (manual).
     Every rank gets the same figures (the sum over ranks), so all decide alike."""
     from . import distributed as D
     from .rollout import generate
 
-    T = max(2, min(32, block_size - 9))
+    T, P = max(2, min(64, block_size)), max(1, min(32, block_size - 8))
     g = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, init) alone
-    x = torch.randint(4, model.cfg.vocab_size, (batch, T), generator=g)
-    prompts = x[:, :T // 2].tolist() * 4
-    was_training = model.training
-
-    impl = model.attn_impl
+    x = torch.randint(4, model.cfg.vocab_size, (4, T), generator=g)
+    prompts = [p for p in torch.randint(4, model.cfg.vocab_size, (max(1, sample_rows // 8), P),
+                                        generator=g).tolist() for _ in range(8)][:sample_rows]
+    was_training, impl = model.training, model.attn_impl
 
     def train(dtype):
         model.train()

@@ -227,4 +227,4 @@ def open_run_dir(cfg: GRPOConfig, tok: CharTokenizer) -> RunLogger:
     except OSError as e:
         raise ConfigError(f"out_dir: cannot write to {out} ({e.strerror or e})") from None
     tok.save(out / "tokenizer.json")
-    return RunLogger(out, cfg.max_steps)
+    return RunLogger(out, cfg.max_steps, cfg.report_to, cfg.to_dict())

@@ -12,8 +12,8 @@ from benchmark import SECTIONS, Probe, Shape, estimate, plan  # noqa: E402
 
 # the production model's shape on the chess task: 70-token prompts, 80 new tokens, G = 16
 SHAPE = Shape(prompt_len=70, max_new_tokens=80, group_size=16)
-FAST = Probe(batch=8, fwd_token_s=2e-6, fwd_token_gen_s=2e-6, decode_step_s=2e-3)
-SLOW = Probe(batch=8, fwd_token_s=4e-4, fwd_token_gen_s=1.2e-3, decode_step_s=0.15)
+FAST = Probe(fwd_token_s=2e-6, fwd_token_gen_s=2e-6, decode_step_s=2e-3, decode_row_s=1e-6)
+SLOW = Probe(fwd_token_s=4e-4, fwd_token_gen_s=1.2e-3, decode_step_s=0.05, decode_row_s=0.012)
 
 
 def test_planner_fits_the_budget_on_a_slow_and_a_fast_machine():
