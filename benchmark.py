@@ -62,6 +62,8 @@ class Probe:
     fwd_token_gen_s: float
     decode_step_s: float
     decode_row_s: float
+    setup_s: float = 0.0  # one run.setup (model, pools, dtype probe): paid by each section
+    reward_workers: int = 2
     seconds: float = 0.0  # what the probe itself took
 
     def decode(self, rows: int) -> float:
@@ -104,9 +106,12 @@ def estimate(probe: Probe, shape: Shape, p: Plan) -> dict[str, float]:
     rows = p.prompts_per_step * shape.group_size
     passes = (1 if shape.reference else 0) + 3 * shape.num_iterations  # backward = 2 forwards
     step = N * decode(rows) + passes * rows * (P + N) * probe.fwd_token_s
-    return {"generation": (1 + p.repeats) * (kv + recompute),
-            "rewards": 3.0 + p.reward_rows * 18 * 20e-6,  # 6 reward sets x 3 executors
-            "step": 5.0 + (p.warmup + p.steps) * step}  # + set-up (task, model, pools)
+    # rewards: 6 plugin sets x 3 executors, a process pool started for each (~1 s a worker:
+    # spawn re-imports this script and torch; 8 workers took 51 s here), 3 passes over the
+    # rows at ~50k rows/s
+    return {"generation": probe.setup_s + (1 + p.repeats) * (kv + recompute),
+            "rewards": 6 * (0.5 + 1.0 * probe.reward_workers) + 18 * 3 * p.reward_rows / 5e4,
+            "step": probe.setup_s + (p.warmup + p.steps) * step}
 
 
 def plan(probe: Probe, shape: Shape, budget_s: float | None, sections=SECTIONS,
@@ -114,7 +119,8 @@ def plan(probe: Probe, shape: Shape, budget_s: float | None, sections=SECTIONS,
     """Sizes whose estimate fits `budget_s` (None: the full defaults). Shrinks, in order:
     generation repeats, the recompute baseline (extrapolated from fewer decode steps), the
     generation batch, reward rows, the step's warm-up and timed steps, then its prompts per
-    step. Sizes in `fixed` (given by the user) are never changed."""
+    step; then grows back, in the reverse order, whatever still fits. Sizes in `fixed` (given
+    by the user) are never changed."""
     fixed = fixed or {}
     p = Plan(prompts_per_step=prompts_per_step)
     for k, v in fixed.items():
@@ -133,7 +139,7 @@ def plan(probe: Probe, shape: Shape, budget_s: float | None, sections=SECTIONS,
              ("warmup", [2, 1]), ("steps", [5, 3, 2]),
              ("prompts_per_step", sorted({max(1, prompts_per_step // d) for d in
                                           (1, 2, 4, 8, 16, 32, 64)}, reverse=True))]
-    for name, values in moves:
+    for name, values in moves:  # shrink, cheapest losses first, until the estimate fits
         if name in fixed:
             continue
         for v in values:
@@ -141,6 +147,17 @@ def plan(probe: Probe, shape: Shape, budget_s: float | None, sections=SECTIONS,
                 break
             if v < getattr(p, name):
                 setattr(p, name, v)
+    for name, values in reversed(moves):  # then give back what still fits, the step first
+        if name in fixed:
+            continue
+        for v in values:  # largest first
+            if v <= getattr(p, name):
+                break
+            was = getattr(p, name)
+            setattr(p, name, v)
+            if total() <= budget_s:
+                break
+            setattr(p, name, was)
     p.estimate_s = {s: v for s, v in estimate(probe, shape, p).items() if s in sections}
     if p.recompute_steps < p.new_tokens and "generation" in sections:
         p.notes.append(f"recompute baseline measured over {p.recompute_steps} of "
@@ -194,7 +211,7 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def probe_machine(cfg, task, batch: int = 8) -> tuple[Probe, Shape]:
+def probe_machine(cfg, task, batch: int = 8):
     """Times the config's model (random weights): a forward over batch x 64 tokens in each
     precision, and the cached decode steps between 2 and 6 new tokens at batch and 4 x batch
     rows."""
@@ -202,6 +219,7 @@ def probe_machine(cfg, task, batch: int = 8) -> tuple[Probe, Shape]:
 
     t_start = time.perf_counter()
     with setup(cfg, log=False, task=task) as run:
+        setup_s = time.perf_counter() - t_start
         model, prec = run.model.eval(), run.precision
         prompt_len = max(len(ex.prompt) for ex in run.task.eval) + 1
         T = min(64, cfg.block_size)
@@ -234,8 +252,18 @@ def probe_machine(cfg, task, batch: int = 8) -> tuple[Probe, Shape]:
         per_row = max((large - small) / (3 * batch), 0.0)
         shape = Shape(prompt_len, cfg.max_new_tokens, cfg.group_size, cfg.num_iterations,
                       cfg.beta != 0)
-    return Probe(fwd_train, fwd_gen, max(small - per_row * batch, 0.0), per_row,
-                 time.perf_counter() - t_start), shape
+        pinned = pin_precision(cfg, prec)
+    return Probe(fwd_train, fwd_gen, max(small - per_row * batch, 0.0), per_row, setup_s,
+                 cfg.num_reward_workers, time.perf_counter() - t_start), shape, pinned
+
+
+def pin_precision(cfg, prec):
+    """cfg with the dtypes its `auto` resolved to written out, so the sections' own set-ups
+    use them without probing again."""
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    amp_dtype = name.get(prec.dtype) or name.get(prec.generation_dtype) or cfg.amp_dtype
+    return overridden(cfg, use_amp=prec.dtype is not None, amp_dtype=amp_dtype,
+                      generation_amp="on" if prec.generation_dtype is not None else "off")
 
 
 # ---- sections ----
@@ -269,7 +297,11 @@ def bench_generation(cfg, p: Plan, task) -> dict:
                              use_cache=use_cache)
             _sync(device)
             assert r.completion_ids.shape == (p.gen_batch, n)
-            return p.gen_batch * n / (time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if n < p.new_tokens:  # recompute step t runs over P + t tokens: scale to all N
+                P, N = max(map(len, prompts)), p.new_tokens
+                seconds *= (N * P + N * (N - 1) / 2) / (n * P + n * (n - 1) / 2)
+            return p.gen_batch * p.new_tokens / seconds
 
         prog = Progress("generation", 2 * (p.repeats + 1), p.estimate_s.get("generation"))
         rates = {"kv_cache": [], "recompute": []}
@@ -299,13 +331,13 @@ def _sync(device) -> None:
 
 def format_generation(r: dict) -> str:
     t = r["tokens_per_s"]
-    rec = "recompute" + (f" ({r['recompute_steps']} steps, extrapolated)"
-                         if r["recompute_extrapolated"] else "")
+    note = f" (over {r['recompute_steps']} decode steps, extrapolated to " \
+        f"{r['new_tokens']})" if r["recompute_extrapolated"] else ""
     return "\n".join([
         f"generation: batch {r['batch']}, {r['new_tokens']} new tokens, {r['params_M']}M params, "
         f"{r['device']}, {r['precision']}, median of {r['repeats']}",
         f"  {'KV cache':<12} {t['kv_cache']:>10.0f} tok/s",
-        f"  {rec:<12} {t['recompute']:>10.0f} tok/s",
+        f"  {'recompute':<12} {t['recompute']:>10.0f} tok/s{note}",
         f"  speed-up     {r['speedup_kv_vs_recompute']:>10.2f}x"])
 
 
@@ -607,8 +639,9 @@ def main(argv=None) -> int:
     task = build_task(cfg) if sections else None
     probe = None
     if sections and budget:
-        probe, shape = probe_machine(cfg, task)
-        p = plan(probe, shape, budget, sections, fixed, cfg.prompts_per_step)
+        probe, shape, cfg = probe_machine(cfg, task)
+        # the probe's own time counts against the budget
+        p = plan(probe, shape, budget - probe.seconds, sections, fixed, cfg.prompts_per_step)
     else:
         p = plan(Probe(0.0, 0.0, 0.0, 0.0), Shape(1, 1, cfg.group_size), None, sections, fixed,
                  cfg.prompts_per_step)
@@ -619,10 +652,18 @@ def main(argv=None) -> int:
               "budget_s": budget, "plan": asdict(p), "probe": asdict(probe) if probe else None}
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
-    t_start = time.perf_counter()
+    t_start = clock = time.perf_counter()
+    result["section_s"] = {}
+
+    def lap(section):  # wall seconds of each section, beside the plan's estimate
+        nonlocal clock
+        result["section_s"][section] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
     if "generation" in sections:
         result["generation"] = bench_generation(cfg, p, task)
         print(format_generation(result["generation"]))
+        lap("generation")
     if args.only == "ablations":
         result["ablations"] = bench_ablations(cfg, args.warmup or 1, args.steps or 4)
         print(format_ablations(result["ablations"]))
@@ -634,14 +675,19 @@ def main(argv=None) -> int:
         result["rewards"] = run_reward_benchmark(n=p.reward_rows, seed=cfg.seed,
                                                  workers=cfg.num_reward_workers)
         print(format_reward_table(result["rewards"]))
+        lap("rewards")
     if "step" in sections:
         result["step"] = bench_step(cfg, p.warmup, p.steps, p.prompts_per_step, task=task,
                                     expected_s=p.estimate_s.get("step"))
         if not result["step"]["is_main"]:
             return 0
         print(format_step(result["step"]))
-    result["seconds"] = time.perf_counter() - t_start
-    print(f"[bench] done in {result['seconds']:.0f}s", file=sys.stderr)
+        lap("step")
+    result["seconds"] = time.perf_counter() - t_start + (probe.seconds if probe else 0.0)
+    print(f"[bench] done in {result['seconds']:.0f}s (" + ", ".join(
+        f"{k} {v:.0f}s" + (f" of ~{p.estimate_s[k]:.0f}" if k in p.estimate_s else "")
+        for k, v in result["section_s"].items()) + (f", probe {probe.seconds:.0f}s" if probe
+                                                    else "") + ")", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

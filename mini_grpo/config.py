@@ -160,7 +160,7 @@ class GRPOConfig:
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
                     "dist_timeout", "guard_patience", "rft_oversample",
-                    "rft_prompts_per_batch"]
+                    "rft_prompts_per_batch", "temperature"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -173,8 +173,6 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature: must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
         if not 0 <= self.dropout < 1:
