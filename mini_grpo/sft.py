@@ -21,22 +21,26 @@ from .data import batch_indices, sft_batch, shard
 from .guards import Guard, NonFiniteError, params_finite
 from .optim import lr_at, make_optimizer, set_lr
 
-# the options that shape a trained SFT stage: a stage saved with others is not reused
-STAGE_KEYS = ("task", "task_args", "data_path", "num_eval", "seed", "n_layer", "n_head",
-              "n_embd", "block_size", "dropout", "init_from", "sft_steps", "sft_batch_size",
-              "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "rft_sft_steps", "rft_lr",
-              "rft_oversample", "rft_min_reward", "rft_keep", "rft_num_prompts", "use_amp",
-              "amp_dtype")
+# the options that shape a trained stage: a stage saved with others is not reused. The RFT
+# stage starts from the SFT one, so it depends on both.
+STAGE_KEYS = {"sft": ("task", "task_args", "data_path", "num_eval", "seed", "n_layer", "n_head",
+                      "n_embd", "block_size", "dropout", "init_from", "sft_steps",
+                      "sft_batch_size", "sft_lr", "weight_decay", "warmup_steps", "grad_clip",
+                      "use_amp", "amp_dtype")}
+STAGE_KEYS["rft"] = STAGE_KEYS["sft"] + ("rft_sft_steps", "rft_lr", "rft_oversample",
+                                         "rft_min_reward", "rft_keep", "rft_num_prompts",
+                                         "temperature", "top_k", "top_p", "max_new_tokens",
+                                         "rewards")
 
 
 def sft_dir(cfg) -> Path:
     return Path(cfg.out_dir) / "sft"
 
 
-def stage_changes(saved: dict, cfg) -> list[str]:
-    """The STAGE_KEYS whose values differ between a saved stage's config and this one."""
+def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
+    """The STAGE_KEYS of `tag` whose values differ between a saved stage's config and this."""
     now = cfg.to_dict()
-    return [k for k in STAGE_KEYS if saved.get(k) != now.get(k)]
+    return [k for k in STAGE_KEYS[tag] if saved.get(k) != now.get(k)]
 
 
 def _reusable(run, directory: Path, steps: int, tag: str):
@@ -44,7 +48,7 @@ def _reusable(run, directory: Path, steps: int, tag: str):
     path, state = latest_checkpoint(directory)
     if state is None or state.get("step") != steps:
         return None
-    changed = stage_changes(state.get("config") or {}, run.cfg)
+    changed = stage_changes(state.get("config") or {}, run.cfg, tag)
     if changed:
         run.print0(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
         return None
