@@ -1,9 +1,12 @@
-"""Character-level tokenizer with pad/bos/eos/unk, built from a task's alphabet.
+"""Tokenizers: the character tokenizer built from a task's alphabet (pad/bos/eos/unk), and
+HFTokenizer for a local Hugging Face model directory (tokenizers + a jinja2 chat template).
 
-Ids 0..3 are the special tokens, then one id per character in sorted order. Characters outside
-the alphabet encode to <unk> by default; `encode(..., strict=True)` raises instead, naming the
-character, which is what data loaders use to reject rows they could never learn.
-Saved as JSON next to checkpoints so a model always travels with its vocabulary.
+CharTokenizer: ids 0..3 are the special tokens, then one id per character in sorted order.
+Characters outside the alphabet encode to <unk> by default; `encode(..., strict=True)` raises
+instead, naming the character, which is what data loaders use to reject rows they could never
+learn. Saved as JSON next to checkpoints so a model always travels with its vocabulary.
+HFTokenizer is not wired into training yet (the Hugging Face models issue); its behaviour is
+tested against transformers.
 """
 
 from __future__ import annotations
@@ -80,3 +83,150 @@ class CharTokenizer:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CharTokenizer) and self.chars == other.chars
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local model directory: `tokenizer.json` through the
+    `tokenizers` library, special tokens and the chat template from `tokenizer_config.json`
+    (or `chat_template.jinja`), extra EOS ids from `generation_config.json`.
+
+    Special tokens: `eos_ids` holds every id that ends a completion (a model may name several,
+    e.g. Llama 3's <|eot_id|> and <|end_of_text|>); `eos_id` is the first. A tokenizer without
+    a pad token pads with its EOS (pad positions are masked out everywhere, so the id only has
+    to exist). The chat template is rendered the way transformers' `apply_chat_template`
+    renders it: a sandboxed jinja2 environment with trim_blocks and lstrip_blocks,
+    `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII characters, and the
+    special tokens (`bos_token`, `eos_token`, ...) as variables. Nothing is downloaded.
+    """
+
+    def __init__(self, tokenizer, config: dict, chat_template: str | None = None,
+                 extra_eos: Iterable[int] = ()):
+        self.tk = tokenizer
+        self.config = config
+        self.specials = {name: _token_text(config.get(name)) for name in
+                         ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.bos_id = self._id(self.specials["bos_token"])
+        eos = self._id(self.specials["eos_token"])
+        self.eos_ids = list(dict.fromkeys([i for i in [eos, *extra_eos] if i is not None]))
+        if not self.eos_ids:
+            raise ValueError("tokenizer: no EOS token (eos_token in tokenizer_config.json or "
+                             "eos_token_id in generation_config.json)")
+        self.eos_id = self.eos_ids[0]
+        pad = self._id(self.specials["pad_token"])
+        self.pad_id = pad if pad is not None else self.eos_id  # masked out wherever it is used
+        self.chat_template = chat_template
+
+    def _id(self, text: str | None) -> int | None:
+        return None if text is None else self.tk.token_to_id(text)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path}: no tokenizer.json (a Hugging Face model directory "
+                             f"saved with save_pretrained has one)")
+        config = _read_json(path / "tokenizer_config.json") or {}
+        template = config.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            None)
+        gen = _read_json(path / "generation_config.json") or {}
+        extra = gen.get("eos_token_id")
+        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+        try:
+            tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the library's own parse errors
+            raise ValueError(f"{path / 'tokenizer.json'}: cannot load ({e})") from None
+        return cls(tk, config, template, extra)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids; `bos=True` adds what the tokenizer puts at a sequence's start (its
+        post-processor: BOS for Llama, nothing for Qwen or GPT-2), as transformers'
+        `tokenizer(text)` does; False encodes the text alone (a rendered chat template
+        carries its own BOS)."""
+        ids = self.tk.encode(text, add_special_tokens=bos).ids
+        return ids + [self.eos_id] if eos else ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids up to the first EOS, special tokens dropped."""
+        out = []
+        for i in ids:
+            if int(i) in self.eos_ids:
+                break
+            out.append(int(i))
+        return self.tk.decode(out, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """The rendered conversation, as text (encode it with bos=False)."""
+        if self.chat_template is None:
+            raise ValueError("tokenizer: no chat template (chat_template: off, or a model "
+                             "directory whose tokenizer_config.json has one)")
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **{k: v for k, v in self.specials.items() if v is not None}, **kwargs)
+
+    def save(self, path: str | Path) -> None:
+        """tokenizer.json, tokenizer_config.json (with the chat template) into a directory."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.tk.save(str(path / "tokenizer.json"))
+        config = dict(self.config)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2,
+                                                               ensure_ascii=False))
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+_TEMPLATES: dict = {}
+
+
+def _compile(template: str):
+    """A chat template compiled in a sandbox (templates are untrusted input), cached."""
+    if template not in _TEMPLATES:
+        import datetime
+
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        _TEMPLATES[template] = env.from_string(template)
+    return _TEMPLATES[template]
