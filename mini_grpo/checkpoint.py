@@ -170,3 +170,18 @@ def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = Non
         torch.cuda.set_rng_state_all(state["cuda"])
     if generator is not None and "generator" in state:
         generator.set_state(state["generator"])
+
+
+def check_shapes(expected: dict[str, torch.Size], state: dict, source: str) -> None:
+    """Weights must name exactly the model's tensors, with the same shapes: otherwise a
+    CheckpointError naming the first few differences."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{source}: model weights are not a mapping of tensors")
+    missing = [k for k in expected if k not in state]
+    extra = [k for k in state if k not in expected]
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(s)})" for k, s in expected.items()
+             if k in state and (not torch.is_tensor(state[k]) or state[k].shape != s)]
+    for what, names in (("missing", missing), ("unexpected", extra), ("mismatched", wrong)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise CheckpointError(f"{source}: {what} weights: {', '.join(names[:3])}{more}")

@@ -26,6 +26,10 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 256
     dropout: float = 0.0
+    # GPT-2 checkpoints (hf_io.py): tanh-approximated GELU, their epsilon, their MLP width
+    activation: str = "gelu"  # gelu (exact) | gelu_new (tanh approximation, GPT-2)
+    layer_norm_epsilon: float = 1e-5
+    n_inner: int | None = None  # MLP width; None = 4 * n_embd
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
@@ -145,20 +149,22 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        inner = cfg.n_inner or 4 * cfg.n_embd
+        self.c_fc = nn.Linear(cfg.n_embd, inner)
+        self.c_proj = nn.Linear(inner, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.activation == "gelu_new" else "none"
 
     def forward(self, x):
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
     def forward(self, x, mask=None, cache=None, layer=0, shared=None):
@@ -176,7 +182,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
         self.apply(self._init_weights)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as D
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, check_shapes, load_checkpoint
 from .config import ConfigError, GRPOConfig, load_config
 from .logger import RunLogger
 from .model import GPT, GPTConfig
@@ -159,21 +159,6 @@ def attention_impl(cfg: GRPOConfig, precision: Precision) -> str:
         return cfg.attn_impl
     cpu_bf16 = precision.device.type == "cpu" and precision.dtype == torch.bfloat16
     return "manual" if cpu_bf16 else "sdpa"
-
-
-def check_shapes(expected: dict[str, torch.Size], state: dict, source: str) -> None:
-    """Weights must name exactly the model's tensors, with the same shapes: otherwise a
-    CheckpointError naming the first few differences."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{source}: model weights are not a mapping of tensors")
-    missing = [k for k in expected if k not in state]
-    extra = [k for k in state if k not in expected]
-    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(s)})" for k, s in expected.items()
-             if k in state and (not torch.is_tensor(state[k]) or state[k].shape != s)]
-    for what, names in (("missing", missing), ("unexpected", extra), ("mismatched", wrong)):
-        if names:
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            raise CheckpointError(f"{source}: {what} weights: {', '.join(names[:3])}{more}")
 
 
 def load_weights(model: GPT, state: dict, source: str) -> None:

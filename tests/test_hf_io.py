@@ -1,0 +1,97 @@
+"""GPT-2 checkpoints into our GPT, against transformers as the oracle: tiny random models
+saved locally with save_pretrained (nothing downloaded)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from mini_grpo.checkpoint import CheckpointError  # noqa: E402
+from mini_grpo.hf_io import load_hf_model  # noqa: E402
+from mini_grpo.logprobs import completion_logprobs  # noqa: E402
+from mini_grpo.rollout import generate  # noqa: E402
+
+
+def tiny_gpt2(tmp_path, name="gpt2", shard=None, **kw):
+    """A 2-layer, 64-wide GPT-2 with random weights, saved as safetensors."""
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=64, n_layer=2,
+                                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  **kw)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    out = tmp_path / name
+    hf.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+    return hf, out
+
+
+@pytest.mark.parametrize("kw", [{}, {"activation_function": "gelu", "n_inner": 96,
+                                     "layer_norm_epsilon": 1e-6}])
+def test_gpt2_logits_match_transformers(tmp_path, kw):
+    hf, path = tiny_gpt2(tmp_path, **kw)
+    ours = load_hf_model(path).eval()
+    assert ours.lm_head.weight is ours.wte.weight  # tied, as GPT-2 is
+    idx = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(idx).logits
+        got = ours(idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+
+def test_gpt2_keeps_what_makes_our_trainer_fast_and_right(tmp_path):
+    """KV-cached sampling from a loaded GPT-2 gives the log-probs of the shared-prompt pass
+    and of transformers' own forward over prompt + completion."""
+    hf, path = tiny_gpt2(tmp_path)
+    ours = load_hf_model(path).eval()
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    r = generate(ours, prompts, 8, eos_id=-1, pad_id=0,
+                 generator=torch.Generator().manual_seed(0))
+    lp = completion_logprobs(ours, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask)
+    torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
+    for i, p in enumerate(prompts):  # transformers alone, one unpadded row at a time
+        seq = torch.tensor([p + r.completion_ids[i].tolist()])
+        with torch.no_grad():
+            logp = hf(seq).logits.log_softmax(-1)[0, len(p) - 1:-1]
+        want = logp.gather(-1, seq[0, len(p):, None]).squeeze(-1)
+        torch.testing.assert_close(lp[i], want, rtol=0, atol=1e-5)
+
+
+def test_sharded_weights_and_dtype(tmp_path):
+    hf, path = tiny_gpt2(tmp_path, shard="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    ours = load_hf_model(path, dtype=torch.bfloat16)
+    assert ours.wte.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.blocks[1].mlp.c_fc.weight.float(),
+                               hf.transformer.h[1].mlp.c_fc.weight.t().bfloat16().float())
+
+
+def test_bad_model_directories_are_named(tmp_path):
+    hf, path = tiny_gpt2(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf_model(tmp_path)
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "bert",
+                                                  "architectures": ["BertModel"]}))
+    with pytest.raises(CheckpointError, match="'bert' \\(BertModel\\) is not supported "
+                                              "\\(supported: gpt2\\)"):
+        load_hf_model(path)
+    # a config that asks for more than its weights hold: refused before anything is read
+    (path / "config.json").write_text(json.dumps({**config, "n_layer": 10**9}))
+    with pytest.raises(CheckpointError, match="says n_layer 1000000000, its weights hold 2"):
+        load_hf_model(path)
+    (path / "config.json").write_text(json.dumps({**config, "n_embd": 128}))
+    with pytest.raises(CheckpointError, match="says n_embd 128, its weights hold 64"):
+        load_hf_model(path)
+    (path / "config.json").write_text(json.dumps({**config, "n_inner": 128}))
+    with pytest.raises(CheckpointError, match="mismatched weights: blocks.0.mlp.c_fc.weight"):
+        load_hf_model(path)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        load_hf_model(path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="never pickles"):
+        load_hf_model(path)
