@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import distributed as D
 from .checkpoint import latest_checkpoint, save_checkpoint
+from .config import ConfigError, load_config
 from .data import batch_indices, sft_batch, shard
 from .guards import Guard, NonFiniteError, params_finite
 from .optim import lr_at, make_optimizer, set_lr
@@ -38,7 +39,12 @@ def sft_dir(cfg) -> Path:
 
 
 def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
-    """The STAGE_KEYS of `tag` whose values differ between a saved stage's config and this."""
+    """The STAGE_KEYS of `tag` whose values differ between a saved stage's config and this
+    (the saved one resolved like a user's, so keys of older versions migrate)."""
+    try:
+        saved = load_config(None, env={}, base=saved).to_dict()
+    except ConfigError:
+        return ["config (unreadable)"]
     now = cfg.to_dict()
     return [k for k in STAGE_KEYS[tag] if saved.get(k) != now.get(k)]
 

@@ -167,3 +167,18 @@ def test_a_finished_sft_stage_is_reused_only_with_the_same_options(tmp_path, cap
     train(tiny(out, mode="sft", sft_steps=4, sft_lr=1e-4))
     text = capsys.readouterr().out
     assert "not reusing" in text and "sft_lr" in text and "[sft] done" in text
+
+
+def test_a_stage_saved_by_an_older_version_is_compared_after_migration():
+    from mini_grpo.sft import stage_changes
+
+    cfg = tiny(None)
+    old = cfg.to_dict()
+    old.pop("task_args")
+    old.update(num_train=256, min_plies=2, max_plies=12, move_format="uci", pgn_path="",
+               parallel_rewards=False)  # top-level keys of the version before task_args
+    old.pop("report_to")
+    old.pop("reward_executor")
+    assert stage_changes(old, cfg) == []
+    assert stage_changes({**old, "max_plies": 8}, cfg) == ["task_args"]
+    assert stage_changes({**old, "lrr": 1}, cfg) == ["config (unreadable)"]
