@@ -1,6 +1,7 @@
-"""Hugging Face model directories in: config.json + safetensors weights into our own model code.
+"""Hugging Face model directories in and out: config.json + safetensors <-> our own model code.
 
     model = load_hf_model("path/to/gpt2")      # a directory saved by save_pretrained
+    save_hf_gpt2(model, "out/hf")              # transformers' GPT2LMHeadModel loads it
 
 Supported architectures (`model_type` in config.json): gpt2. Anything else is a
 CheckpointError naming it and the supported ones. Weights are read with `safetensors` (no
@@ -167,3 +168,37 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
     model.load_state_dict(state, assign=True)
     model.lm_head.weight = model.wte.weight  # keep the tie after assign
     return model
+
+
+def save_hf_gpt2(model: GPT, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Our GPT as a Hugging Face GPT-2 directory (config.json + model.safetensors) that
+    transformers' GPT2LMHeadModel.from_pretrained loads: the inverse of load_hf_model.
+    Written to a temporary directory and renamed, so a kill never leaves half of one."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    c, path = model.cfg, Path(path)
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+              "vocab_size": c.vocab_size, "n_positions": c.block_size, "n_ctx": c.block_size,
+              "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+              "n_inner": c.n_inner, "activation_function": c.activation,
+              "layer_norm_epsilon": c.layer_norm_epsilon, "tie_word_embeddings": True,
+              "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout}
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to wte: stored once
+            continue
+        t = t.detach().to("cpu", dtype or t.dtype)
+        t = t.t() if _conv1d(name) else t
+        hf = name.replace("blocks.", "h.", 1) if name.startswith("blocks.") else name
+        state[f"transformer.{hf}"] = t.contiguous()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path

@@ -95,3 +95,23 @@ def test_bad_model_directories_are_named(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="never pickles"):
         load_hf_model(path)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_new"])
+def test_our_gpt_saved_as_gpt2_loads_in_transformers_with_the_same_logits(tmp_path,
+                                                                          activation):
+    from mini_grpo.hf_io import save_hf_gpt2
+    from mini_grpo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(vocab_size=44, block_size=48, n_layer=2, n_head=2, n_embd=32,
+                         activation=activation)).eval()
+    path = save_hf_gpt2(ours, tmp_path / "hf")
+    assert not list(tmp_path.glob(".hf.tmp*"))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    idx = torch.randint(0, 44, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=0, atol=2e-5)
+    again = load_hf_model(path).eval()  # and back
+    for (k, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), k
