@@ -26,6 +26,7 @@ import torch
 
 from .checkpoint import CheckpointError, check_shapes
 from .model import GPT, GPTConfig
+from .tokenizer import read_json_object
 
 SUPPORTED = ("gpt2",)
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few kB; refuse to parse anything huge
@@ -35,16 +36,12 @@ def read_config(path: str | Path) -> dict:
     """config.json of a model directory, with its architecture checked."""
     path = Path(path)
     file = path / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
-    if file.stat().st_size > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{file}: {file.stat().st_size} bytes, too large for a config")
     try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file}: cannot read ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+        config = read_json_object(file, MAX_CONFIG_BYTES)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if config is None:
+        raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
     kind = config.get("model_type")
     if kind not in SUPPORTED:
         arch = ", ".join(config.get("architectures") or []) or "?"

@@ -127,14 +127,14 @@ class HFTokenizer:
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path}: no tokenizer.json (a Hugging Face model directory "
                              f"saved with save_pretrained has one)")
-        config = _read_json(path / "tokenizer_config.json") or {}
+        config = read_json_object(path / "tokenizer_config.json") or {}
         template = config.get("chat_template")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"),
                             None)
-        gen = _read_json(path / "generation_config.json") or {}
+        gen = read_json_object(path / "generation_config.json") or {}
         extra = gen.get("eos_token_id")
         extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
         try:
@@ -193,9 +193,13 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json_object(path: Path, max_bytes: int = 16 << 20) -> dict | None:
+    """A JSON object from a model directory (untrusted: size bounded before reading), or None
+    when the file is absent; ValueError naming the file otherwise."""
     if not path.is_file():
         return None
+    if path.stat().st_size > max_bytes:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, too large for this file")
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
