@@ -139,16 +139,13 @@ def rft_generate_main(argv: list[str]) -> int:
     args, rest = ap.parse_known_args(argv)
 
     def run_rft():
-        from .rft import generate_rft_data
+        from .rft import first_prompts, generate_rft_data
         from .run import setup
 
         state, cfg = _from_checkpoint(args.checkpoint, rest)
         with setup(cfg, checkpoint=state, log=False) as run:
-            examples = run.task.train if args.split == "train" else run.task.eval
-            if args.split == "train" and cfg.rft_num_prompts:
-                keep = set(list(dict.fromkeys(ex.prompt for ex in examples))
-                           [:cfg.rft_num_prompts])
-                examples = [ex for ex in examples if ex.prompt in keep]
+            examples = first_prompts(run.task.train, cfg.rft_num_prompts) \
+                if args.split == "train" else run.task.eval
             generate_rft_data(run, examples, args.output)
 
     return _guarded(run_rft)

@@ -17,7 +17,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
 from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
-from .rft import generate_rft_data
+from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
 from .sft import train_sft
 from .tasks import load_jsonl
@@ -32,11 +32,11 @@ RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "task", "task_args"
 
 def train(cfg) -> dict:
     """The whole job; returns {"before", "after", "baselines"} evaluations (rank 0)."""
+    stages = STAGES[cfg.mode]
     with setup(cfg) as run:
-        resume = find_resume(run) if "grpo" in STAGES[cfg.mode] else None
+        resume = find_resume(run) if "grpo" in stages else None
         if run.dist.is_main:
             cfg.save(Path(cfg.out_dir) / "config.yaml")
-        stages = STAGES[cfg.mode]
         if "sft" in stages:
             train_sft(run)
         result = {}
@@ -128,16 +128,15 @@ def before_grpo(run: Run, resume: dict | None) -> dict:
 
 def run_rft(run: Run) -> None:
     """Rejection sampling from the current model, then SFT on the accepted completions."""
-    cfg, task = run.cfg, run.task
-    prompts = list(dict.fromkeys(ex.prompt for ex in task.train))
-    keep = set(prompts[:cfg.rft_num_prompts] if cfg.rft_num_prompts else prompts)
-    examples = [ex for ex in task.train if ex.prompt in keep]
+    cfg = run.cfg
+    examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
     generate_rft_data(run, examples, data)
     try:
         accepted = load_jsonl(data)
     except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"
-        raise ConfigError(f"rft_min_reward: no completion of {len(keep)} prompts reached "
+        raise ConfigError(f"rft_min_reward: no completion of "
+                          f"{len({ex.prompt for ex in examples})} prompts reached "
                           f"{cfg.rft_min_reward}; lower it or train the SFT stage longer"
                           ) from None
     train_sft(run, examples=accepted, steps=cfg.rft_sft_steps, lr=cfg.rft_lr,

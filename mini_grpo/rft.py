@@ -32,6 +32,13 @@ from .data import shard
 from .rollout import sample
 
 
+def first_prompts(examples: list, n: int) -> list:
+    """The examples of the first `n` distinct prompts (in split order); all when n is 0."""
+    prompts = list(dict.fromkeys(ex.prompt for ex in examples))
+    keep = set(prompts[:n] if n else prompts)
+    return [ex for ex in examples if ex.prompt in keep]
+
+
 def _read_rows(path: Path) -> list[dict]:
     """Whole rows of a JSONL file; a last line cut short by a kill is dropped (and cut off)."""
     if not path.is_file():
