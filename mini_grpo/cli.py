@@ -3,8 +3,11 @@
     mini-grpo train --config default [--key=value ...]     # = python distributed_train.py ...
     mini-grpo train --config tiny --print-config           # show the resolved config, exit
     mini-grpo evaluate --checkpoint runs/default/checkpoints/step_0000200.pt [--num_eval=1024]
-    mini-grpo sample --checkpoint PATH --prompt "e2e4 e7e5 g1f3:" [--n 4] [--greedy]
+    mini-grpo sample --checkpoint PATH --prompt "e2e4 e7e5 g1f3:" [--n 4] [--greedy] [--json]
     mini-grpo rft-generate --checkpoint PATH --output rft.jsonl [--rft_oversample=16 ...]
+    mini-grpo export --checkpoint PATH --output DIR [--dtype bfloat16]   # Hugging Face dir
+
+A checkpoint is one of ours (a .pt file) or a local Hugging Face model directory.
 
 Bad input (config, data, plugin, checkpoint) is one line on stderr and exit code 2; config
 errors are caught before the trainer (and torch's start-up cost) is even imported.
@@ -104,7 +107,12 @@ def sample_main(argv: list[str]) -> int:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max_new_tokens", type=int, help="default: the checkpoint's config")
+    ap.add_argument("--json", action="store_true",
+                    help='one {"prompt": ..., "completion": ...} object per line')
     args = ap.parse_args(argv)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        return _fail(ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}"))
 
     def run_sample():
         import torch
@@ -120,11 +128,17 @@ def sample_main(argv: list[str]) -> int:
                     raise ConfigError(f"--prompt {p!r}: characters not in the model's "
                                       f"alphabet: {run.tok.unknown_chars(p)}")
             prompts = [p for p in args.prompt for _ in range(args.n)]
-            r = sample(run.model, run.tok, prompts, cfg.max_new_tokens, greedy=args.greedy,
+            n = args.max_new_tokens or cfg.max_new_tokens
+            if max(len(run.tok.encode_prompt(p)) for p in prompts) + n > run.model.cfg.block_size:
+                raise ConfigError(f"--max_new_tokens: {n} more tokens do not fit the model's "
+                                  f"{run.model.cfg.block_size} positions")
+            r = sample(run.model, run.tok, prompts, n, greedy=args.greedy,
                        temperature=args.temperature,
                        generator=torch.Generator().manual_seed(args.seed))
         for p, text in zip(prompts, r.texts):
-            print(f"{p} {text}")
+            line = json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) \
+                if args.json else f"{p} {text}"
+            print(line)
 
     return _guarded(run_sample)
 
@@ -151,8 +165,31 @@ def rft_generate_main(argv: list[str]) -> int:
     return _guarded(run_rft)
 
 
+def export_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="mini-grpo export",
+                                 description="a checkpoint as a Hugging Face model directory")
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--output", required=True, help="directory to write (replaced)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                        "float16"],
+                    help="auto: the dtype of the Hugging Face model the run started from, "
+                         "else float32")
+    args = ap.parse_args(argv)
+
+    def run_export():
+        from .models.hf import export_dtype, save_hf
+        from .run import build_policy
+
+        state, cfg = _from_checkpoint(args.checkpoint, ["--rewards=null"])
+        model, tok = build_policy(cfg, None, state)
+        path = save_hf(model, args.output, export_dtype(model, args.dtype), tokenizer=tok)
+        print(f"wrote {path}")
+
+    return _guarded(run_export)
+
+
 COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,
-            "rft-generate": rft_generate_main}
+            "rft-generate": rft_generate_main, "export": export_main}
 
 
 def main(argv: list[str] | None = None) -> int:

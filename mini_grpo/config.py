@@ -15,7 +15,6 @@ import difflib
 import math
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +22,12 @@ from typing import Any, Literal
 
 import yaml
 
+from .fields import ConfigError, coerce
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 TRACKERS = ("tensorboard", "wandb")  # report_to: where metrics go beside metrics.jsonl
-
-
-class ConfigError(ValueError):
-    """Bad configuration input: the message is one line naming the culprit."""
 
 
 @dataclass
@@ -42,7 +39,9 @@ class GRPOConfig:
     resume: str = "auto"  # auto | never | path to a checkpoint
     # which stages the train job runs; rft = SFT, then RFT data from it, then SFT on that data
     mode: Literal["sft_grpo", "sft", "grpo", "rft"] = "sft_grpo"
-    init_from: str = ""  # checkpoint whose weights start the run (before SFT)
+    # weights (and tokenizer) that start the run, before SFT: one of our checkpoints, or a local
+    # Hugging Face model directory (config.json + safetensors + tokenizer files)
+    init_from: str = ""
 
     # ---- task and data ----
     task: str = "chess_fen"
@@ -63,10 +62,15 @@ class GRPOConfig:
     reward_max_fail_frac: float = 0.5  # stop the run when more rows of one plugin fail
 
     # ---- model ----
+    # our GPT's shape, for runs from scratch (init_from names its own model)
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 256
-    block_size: int = 192  # longest prompt + completion, in characters (+ bos/eos)
+    block_size: int = 192  # longest prompt + completion, in tokens (+ bos/eos)
+    # prompts through the tokenizer's chat template as a user message (a Hugging Face
+    # tokenizer's; auto = when it has one), after an optional system message
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    system_prompt: str = ""
     dropout: float = 0.0
     gradient_checkpointing: bool = False
     # auto = manual under bf16 autocast on CPU (SDPA's bf16 backward ran 2-3x slower there),
@@ -125,6 +129,9 @@ class GRPOConfig:
     report_to: list = dataclasses.field(default_factory=lambda: ["tensorboard"])
     save_every: int = 50
     keep_checkpoints: int = 3
+    # the run's end writes <out_dir>/hf/, a Hugging Face directory (transformers, vLLM), in
+    # this dtype; auto = the dtype init_from's config.json names, else float32
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     # ---- precision and speed ----
     # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
@@ -154,7 +161,7 @@ class GRPOConfig:
     dist_timeout: float = 600.0
 
     def validate(self) -> None:
-        """Range checks types cannot express (values are typed and finite: _coerce)."""
+        """Range checks types cannot express (values are typed and finite: fields.coerce)."""
         positive = ["num_eval", "n_layer", "n_head", "n_embd", "block_size",
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
@@ -219,8 +226,6 @@ ENV_VARS: dict[str, str] = {
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
 _TYPES = typing.get_type_hints(GRPOConfig)
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 def _check_rewards(rewards: Any) -> None:
@@ -256,80 +261,8 @@ def coerce_fields(schema, values: dict[str, Any], where: str = "") -> dict[str, 
     for key, value in values.items():
         if key not in hints:
             raise _unknown_key(str(key), where, known)
-        out[key] = _coerce(key, value, where, hints[key])
+        out[key] = coerce(key, value, hints[key], where)
     return out
-
-
-def _coerce(key: str, value: Any, where: str = "", tp: Any = None) -> Any:
-    """Checks `value` against the field's type; strings (env, CLI) are parsed first."""
-    tp = _TYPES[key] if tp is None else tp
-    optional = False
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        tp = args[0]
-    from_text = isinstance(value, str) and tp is not str and typing.get_origin(tp) is not Literal
-
-    if from_text:
-        text = value.strip()
-        if optional and text.lower() in ("", "none", "null"):
-            return None
-        if tp in (list, dict):
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError:
-                raise ConfigError(f"{where}{key}: cannot parse {text!r} as YAML") from None
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where}{key}: must not be empty")
-
-    bad = ConfigError(f"{where}{key}: expected {_type_name(tp)}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise bad
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise bad from None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise bad from None
-        elif not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise bad
-        if not math.isfinite(value):  # NaN/Inf pass every `<= 0` check and break runs later
-            raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        if isinstance(value, str) and value.strip() in choices:
-            return value.strip()
-        raise ConfigError(f"{where}{key}: must be one of {', '.join(choices)}, got {value!r}")
-    if tp in (list, dict):
-        if isinstance(value, tp):
-            return value
-        raise bad
-    raise TypeError(f"config field {key} has an unsupported type {tp}")
-
-
-def _type_name(tp: Any) -> str:
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "a mapping"}.get(tp, str(tp))
 
 
 def resolve_config_path(name: str) -> Path:
@@ -404,14 +337,14 @@ class _Layers:
             self.values.setdefault("task_args", {})[key.partition(".")[2]] = value
             return
         if key == "parallel_rewards":
-            on = _coerce(key, value, where, bool)
+            on = coerce(key, value, bool, where)
             current = self.values.get("reward_executor", _FIELDS["reward_executor"].default)
             self.values["reward_executor"] = ("process" if current == "serial" else current) \
                 if on else "serial"
             return
         if key not in _FIELDS:
             raise _unknown_key(key, where)
-        value = _coerce(key, value, where)
+        value = coerce(key, value, _TYPES[key], where)
         if key == "task_args":  # a mapping replaces the keys it names, not the whole set
             value = {**self.values.get("task_args", {}), **value}
         self.values[key] = value

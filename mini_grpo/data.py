@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .tokenizer import CharTokenizer
+from .tokenizer import Tokenizer
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> list[int]:
@@ -29,7 +29,7 @@ def shard(items: list, rank: int, world_size: int) -> list:
     return items[rank * n // world_size:(rank + 1) * n // world_size]
 
 
-def sft_batch(tok: CharTokenizer, pairs: list[tuple[str, str]], device=None):
+def sft_batch(tok: Tokenizer, pairs: list[tuple[str, str]], device=None):
     """(prompt, target) pairs -> (idx (B, T), targets (B, T)), right-padded.
 
     The model reads BOS + prompt + target and is trained to predict target + EOS only:
@@ -37,7 +37,7 @@ def sft_batch(tok: CharTokenizer, pairs: list[tuple[str, str]], device=None):
     """
     rows, labels = [], []
     for prompt, target in pairs:
-        p = tok.encode(prompt, bos=True)
+        p = tok.encode_prompt(prompt)
         t = tok.encode(target, eos=True)
         seq = p + t
         rows.append(seq[:-1])

@@ -17,6 +17,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
 from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
+from .models.hf import export_dtype, save_hf
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
 from .sft import train_sft
@@ -27,7 +28,7 @@ STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft"
 
 # a GRPO checkpoint cannot continue under another model, task or data
 RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "task", "task_args", "data_path",
-                "group_size")
+                "group_size", "chat_template", "system_prompt")
 
 
 def train(cfg) -> dict:
@@ -62,7 +63,16 @@ def train(cfg) -> dict:
             print("\n" + format_table(table), flush=True)
             print("trivial answers under the same reward: " + ", ".join(
                 f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
+            export(run)
     return result
+
+
+def export(run: Run) -> None:
+    """The trained policy as a Hugging Face directory, <out_dir>/hf (rank 0)."""
+    dtype = export_dtype(run.model, run.cfg.export_dtype)
+    path = save_hf(run.model, Path(run.cfg.out_dir) / "hf", dtype, tokenizer=run.tok)
+    print(f"[mini-grpo] exported {path} ({str(dtype).removeprefix('torch.')}): "
+          f"transformers' AutoModelForCausalLM.from_pretrained loads it", flush=True)
 
 
 def find_resume(run: Run) -> dict | None:
@@ -91,8 +101,8 @@ def check_resume(run: Run, state: dict, path: str) -> None:
     if state.get("kind") != "grpo" or "optimizer" not in state or not isinstance(saved, dict):
         raise CheckpointError(f"{path}: a {state.get('kind', 'non-GRPO')} checkpoint cannot be "
                               f"resumed as GRPO; start from its weights with --init_from={path}")
-    if state.get("tokenizer") != run.tok.chars:
-        raise CheckpointError(f"{path}: its tokenizer differs from this task's alphabet")
+    if state.get("tokenizer") != run.tok.state():
+        raise CheckpointError(f"{path}: its tokenizer differs from this run's")
     try:  # resolved like a user's config: older checkpoints' keys migrate, bad ones fail
         saved = load_config(None, env={}, base=saved, base_where=f"{path}: ").to_dict()
     except ConfigError as e:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .model import GPT, attention_mask, positions
-from .tokenizer import CharTokenizer
+from .models import CausalLM, attention_mask, positions
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -66,7 +66,7 @@ def _pick(logits, temperature, top_k, top_p, greedy, generator):
 
 
 @torch.no_grad()
-def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              greedy: bool = False, generator: torch.Generator | None = None,
              use_cache: bool = True) -> Rollout:
@@ -75,7 +75,7 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, eos_id: 
     Stops as soon as every row has emitted EOS. `use_cache=False` recomputes the whole
     sequence at each step (the baseline the KV cache is measured against).
     """
-    device = model.wte.weight.device
+    device = model.lm_head.weight.device
     ids, pmask = pad_left(prompts, pad_id, device)  # (B, P)
     B, P = ids.shape
     N = max_new_tokens
@@ -132,7 +132,7 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, eos_id: 
                    done.clone(), nonfinite=bad)
 
 
-def _prefill(model: GPT, prompts, ids, pmask, pos, cache, pad_id):
+def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, pad_id):
     """The prompts' forward pass: fills the cache, returns the logits of each row's last
     prompt token (B, 1, V). Rows that repeat a prompt (a GRPO group, RFT's oversampling) are
     computed once and their keys/values copied: 16 prompts x 8 rows cost 16 rows of work."""
@@ -151,10 +151,11 @@ def _prefill(model: GPT, prompts, ids, pmask, pos, cache, pad_id):
     return logits[rows]
 
 
-def sample(model: GPT, tokenizer: CharTokenizer, prompts: list[str], max_new_tokens: int,
+def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
            **kw) -> Rollout:
-    """Text in, Rollout with decoded `texts` out. Prompts are encoded with a leading BOS."""
-    enc = [tokenizer.encode(p, bos=True) for p in prompts]
+    """Text in, Rollout with decoded `texts` out; prompts are encoded as the tokenizer
+    says (`encode_prompt`: a leading BOS, or the chat template)."""
+    enc = [tokenizer.encode_prompt(p) for p in prompts]
     r = generate(model, enc, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, **kw)
     r.texts = [tokenizer.decode(row) for row in r.completion_ids.tolist()]
     return r

@@ -6,17 +6,19 @@
         evaluate(run, greedy=True)
 
 Order: distributed init -> checks that need the world size -> device, threads, allocator ->
-task (its data) -> tokenizer -> length check -> reward scorer (bad plugin names fail here,
-before any model is built) -> policy (random init from the seed, identical on every rank,
-then `init_from` or the given checkpoint's weights, shapes checked before anything is
-allocated) -> precision (with its probe for `auto`) -> the trained form (compiled, DDP) ->
-logger (rank 0 of a training run). The reference policy is frozen later, when GRPO starts from
-whatever SFT left (`Run.freeze_reference`). `close()` undoes it all in reverse.
+task (its data) -> reward scorer (bad plugin names fail here, before any model is built) ->
+policy and tokenizer (a given checkpoint's, else `init_from`'s: a Hugging Face directory or
+one of our checkpoints, else our GPT from the config's fields, randomly initialised from the
+seed, identical on every rank, with the task's alphabet; shapes checked before anything is
+allocated) -> length check -> precision (with its probe for `auto`) -> the trained form
+(compiled, DDP) -> logger (rank 0 of a training run). The reference policy is frozen
+later, when GRPO starts from whatever SFT left (`Run.freeze_reference`). `close()` undoes
+it all in reverse.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +27,8 @@ from . import distributed as D
 from .checkpoint import CheckpointError, check_shapes, load_checkpoint
 from .config import ConfigError, GRPOConfig, load_config
 from .logger import RunLogger
-from .model import GPT, GPTConfig
+from .models import CausalLM, GPTConfig, build, model_config, spec
+from .models.hf import load_hf_model
 from .precision import (
     Precision,
     compile_with_fallback,
@@ -37,7 +40,7 @@ from .reference import Reference
 from .rewards import REWARDS
 from .scoring import RewardScorer
 from .tasks import TaskData, build_task
-from .tokenizer import CharTokenizer
+from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_state
 
 
 @dataclass
@@ -48,8 +51,8 @@ class Run:
     threads: int
     precision: Precision
     task: TaskData | None
-    tok: CharTokenizer
-    model: GPT  # the bare policy: sampling, evaluation, checkpoints
+    tok: Tokenizer
+    model: CausalLM  # the bare policy: sampling, evaluation, checkpoints
     net: torch.nn.Module  # the policy as trained: compiled and/or DDP-wrapped
     comm: D.CommTimer | None  # DDP's gradient all-reduce time, under torchrun
     scorer: RewardScorer | None
@@ -60,6 +63,12 @@ class Run:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none)."""
         if self.cfg.beta:
             self.reference = Reference(self.model, self.device, self.cfg.offload_reference)
+
+    def identity(self) -> dict:
+        """What every checkpoint carries besides weights: the config, the tokenizer and the
+        model's architecture (models.spec)."""
+        return {"config": self.cfg.to_dict(), "tokenizer": self.tok.state(),
+                "model_spec": spec(self.model)}
 
     def print0(self, message: str) -> None:
         if self.dist.is_main:
@@ -93,17 +102,12 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         device = resolve_device(cfg, dist.local_rank)
         threads = setup_backends(cfg, dist.local_world_size)
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None
-        chars = checkpoint["tokenizer"] if checkpoint is not None else data.alphabet
-        tok = CharTokenizer(chars)
         if data is not None:
-            check_lengths(cfg, [ex.prompt for ex in data.train + data.eval])
             scorer = RewardScorer.from_config(cfg, data)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = build_model(cfg, tok.vocab_size, device)
-        if checkpoint is not None:
-            load_weights(model, checkpoint["model"], "checkpoint")
-        elif cfg.init_from:
-            load_weights(model, load_checkpoint(cfg.init_from)["model"], cfg.init_from)
+        model, tok = build_policy(cfg, data, checkpoint)
+        model.to(device)
+        if data is not None:
+            check_lengths(cfg, tok, [ex.prompt for ex in data.train + data.eval])
         precision = resolve_precision(cfg, device, model)
         model.attn_impl = attention_impl(cfg, precision)
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
@@ -132,24 +136,86 @@ def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
                               f"processes ({dist.world_size}): every rank needs at least one")
 
 
-def check_lengths(cfg: GRPOConfig, prompts: list[str]) -> None:
-    """Every prompt (with BOS) plus max_new_tokens must fit in block_size; fail before work."""
-    longest = max(len(p) for p in prompts) + 1
+def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list[str]) -> None:
+    """Every prompt (as the model sees it: BOS or chat template) plus max_new_tokens must fit
+    in block_size; fail before work."""
+    longest = max(len(tok.encode_prompt(p)) for p in prompts)
     if longest + cfg.max_new_tokens > cfg.block_size:
         raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
                           f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
 
 
-def model_config(cfg: GRPOConfig, vocab_size: int) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+def gpt_spec(cfg: GRPOConfig, vocab_size: int) -> dict:
+    """Our GPT from the config's model fields (from-scratch runs, checkpoints without a spec)."""
+    return {"family": "gpt", "config": asdict(GPTConfig(
+        vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))}
 
 
-def build_model(cfg: GRPOConfig, vocab_size: int, device=None) -> GPT:
-    """The policy from the config's model fields, on `device` (default: CPU)."""
-    model = GPT(model_config(cfg, vocab_size))
+def build_policy(cfg: GRPOConfig, data: TaskData | None,
+                 checkpoint: dict | None = None) -> tuple[CausalLM, Tokenizer]:
+    """The policy (on CPU) and its tokenizer: those of `checkpoint` (a loaded state), else of
+    `init_from` (a Hugging Face directory, or one of our checkpoints), else our GPT from the
+    config's fields with the task's alphabet, randomly initialised from the seed."""
+    source = "checkpoint"
+    if checkpoint is None and cfg.init_from and Path(cfg.init_from).is_dir():
+        model = load_hf_model(cfg.init_from, dtype=torch.float32)  # fp32 master weights
+        try:
+            tok = HFTokenizer.from_dir(cfg.init_from)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        if tok.vocab_size > model.cfg.vocab_size:
+            raise CheckpointError(f"{cfg.init_from}: the tokenizer has {tok.vocab_size} "
+                                  f"tokens, the model's embedding {model.cfg.vocab_size}")
+    else:
+        if checkpoint is None and cfg.init_from:
+            checkpoint, source = load_checkpoint(cfg.init_from), cfg.init_from
+        tok = CharTokenizer(data.alphabet) if checkpoint is None else \
+            stored_tokenizer(checkpoint, source)
+        spec = checkpoint_spec(checkpoint, cfg, tok, source) if checkpoint else \
+            gpt_spec(cfg, tok.vocab_size)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model = build(spec)
+        if checkpoint is not None:
+            load_weights(model, checkpoint["model"], source)
+    try:
+        tok.configure_chat(cfg.chat_template, cfg.system_prompt)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.block_size > model.cfg.block_size:
+        raise ConfigError(f"block_size: {cfg.block_size} exceeds the model's longest "
+                          f"sequence ({model.cfg.block_size})")
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    return model.to(torch.device(device or "cpu"))
+    return model, tok
+
+
+def stored_tokenizer(state: dict, source: str) -> Tokenizer:
+    try:
+        return tokenizer_from_state(state.get("tokenizer"))
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -> dict:
+    """The architecture of a checkpoint's model: its stored spec (untrusted: checked, and
+    its layer count compared with the weights before anything is built), or, for one saved
+    before specs were stored, our GPT from the config's fields."""
+    spec = state.get("model_spec") or gpt_spec(cfg, tok.vocab_size)
+    weights = state.get("model")
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{source}: no model weights")
+    try:
+        n_layer = model_config(spec).n_layer
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    layers = {k.split(".")[1] for k in weights if k.startswith(("blocks.", "layers."))}
+    if n_layer != len(layers):
+        raise CheckpointError(f"{source}: its model has {n_layer} layers, its weights "
+                              f"{len(layers)}")
+    with torch.device("meta"):
+        meta = build(spec)
+    check_shapes({k: v.shape for k, v in meta.state_dict().items()}, weights, source)
+    return spec
 
 
 def attention_impl(cfg: GRPOConfig, precision: Precision) -> str:
@@ -161,7 +227,7 @@ def attention_impl(cfg: GRPOConfig, precision: Precision) -> str:
     return "manual" if cpu_bf16 else "sdpa"
 
 
-def load_weights(model: GPT, state: dict, source: str) -> None:
+def load_weights(model: CausalLM, state: dict, source: str) -> None:
     check_shapes({k: v.shape for k, v in model.state_dict().items()}, state, source)
     model.load_state_dict(state)
 
@@ -175,12 +241,16 @@ def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOC
     describes must match the stored weights' shapes before anything is allocated: the
     comparison runs on the meta device.
     """
+    if Path(path).is_dir():  # a Hugging Face directory: the defaults, its model and tokenizer
+        try:
+            return None, load_config(None, {**overrides, "init_from": path}, env={})
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
     state = load_checkpoint(path)
     stored = state.get("config")
-    tokenizer = state.get("tokenizer")
-    if not isinstance(stored, dict) or not isinstance(tokenizer, list) or \
-            not all(isinstance(c, str) and len(c) == 1 for c in tokenizer):
-        raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no config or tokenizer)")
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no config)")
+    tok = stored_tokenizer(state, path)
     try:
         cfg = load_config(None, overrides, env={}, base=stored, base_where=f"{path}: ")
     except ConfigError as e:
@@ -193,16 +263,15 @@ def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOC
                                   f"checkpoint: name the rewards yourself, e.g. "
                                   f"--rewards='[{{name: {foreign[0]}}}]', or --rewards=null "
                                   f"for the task's defaults")
-    with torch.device("meta"):
-        meta = GPT(model_config(cfg, CharTokenizer(tokenizer).vocab_size))
-    check_shapes({k: v.shape for k, v in meta.state_dict().items()}, state["model"], path)
+    checkpoint_spec(state, cfg, tok, path)
     return state, cfg
 
 
-def open_run_dir(cfg: GRPOConfig, tok: CharTokenizer) -> RunLogger:
-    """Creates out_dir (an unusable one is a ConfigError naming it), saves the tokenizer and
-    opens the logger. The resolved config is saved by the job once it knows the run may go
-    on (a refused resume must not overwrite the config.yaml of the run it refused)."""
+def open_run_dir(cfg: GRPOConfig, tok: Tokenizer) -> RunLogger:
+    """Creates out_dir (an unusable one is a ConfigError naming it), saves a character
+    tokenizer's alphabet (tokenizer.json) and opens the logger. The resolved config is saved
+    by the job once it knows the run may go on (a refused resume must not overwrite the
+    config.yaml of the run it refused)."""
     out = Path(cfg.out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -211,5 +280,6 @@ def open_run_dir(cfg: GRPOConfig, tok: CharTokenizer) -> RunLogger:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"out_dir: cannot write to {out} ({e.strerror or e})") from None
-    tok.save(out / "tokenizer.json")
+    if isinstance(tok, CharTokenizer):
+        tok.save(out / "tokenizer.json")
     return RunLogger(out, cfg.max_steps, cfg.report_to, cfg.to_dict())

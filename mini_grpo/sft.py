@@ -25,7 +25,8 @@ from .optim import lr_at, make_optimizer, set_lr
 # the options that shape a trained stage: a stage saved with others is not reused. The RFT
 # stage starts from the SFT one, so it depends on both.
 STAGE_KEYS = {"sft": ("task", "task_args", "data_path", "num_eval", "seed", "n_layer", "n_head",
-                      "n_embd", "block_size", "dropout", "init_from", "sft_steps",
+                      "n_embd", "block_size", "dropout", "init_from", "chat_template",
+                      "system_prompt", "sft_steps",
                       "sft_batch_size", "sft_lr", "weight_decay", "warmup_steps", "grad_clip",
                       "use_amp", "amp_dtype")}
 STAGE_KEYS["rft"] = STAGE_KEYS["sft"] + ("rft_sft_steps", "rft_lr", "rft_oversample",
@@ -126,8 +127,7 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
         raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
                              f"(lr {base_lr:g} too high?); nothing was saved")
     if dist.is_main:
-        state = {"kind": tag, "model": model.state_dict(), "step": steps,
-                 "config": cfg.to_dict(), "tokenizer": run.tok.chars}
+        state = {"kind": tag, "model": model.state_dict(), "step": steps, **run.identity()}
         path = save_checkpoint(state, directory, steps, keep=1)
         print(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}",
               flush=True)

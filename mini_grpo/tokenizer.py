@@ -1,12 +1,15 @@
 """Tokenizers: the character tokenizer built from a task's alphabet (pad/bos/eos/unk), and
 HFTokenizer for a local Hugging Face model directory (tokenizers + a jinja2 chat template).
 
+Both offer one small interface: encode / decode, `encode_prompt` (how a task's prompt becomes
+ids: BOS + text, or the chat template), the special ids (bos_id, eos_id, eos_ids, pad_id),
+vocab_size, `state()` (what a checkpoint stores; `from_state` rebuilds it) and
+`save_pretrained(dir)` (Hugging Face files that transformers' AutoTokenizer loads).
+
 CharTokenizer: ids 0..3 are the special tokens, then one id per character in sorted order.
 Characters outside the alphabet encode to <unk> by default; `encode(..., strict=True)` raises
 instead, naming the character, which is what data loaders use to reject rows they could never
-learn. Saved as JSON next to checkpoints so a model always travels with its vocabulary.
-HFTokenizer is not wired into training yet (the Hugging Face models issue); its behaviour is
-tested against transformers.
+learn. Its state is the alphabet, so a model always travels with its vocabulary.
 """
 
 from __future__ import annotations
@@ -67,8 +70,41 @@ class CharTokenizer:
                 out.append("?")
         return "".join(out)
 
+    @property
+    def eos_ids(self) -> list[int]:
+        return [self.eos_id]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text, bos=True)
+
+    def configure_chat(self, chat_template: str, system_prompt: str) -> None:
+        if chat_template == "on" or system_prompt:
+            raise ValueError("chat_template: the character tokenizer has no chat template "
+                             "(chat_template and system_prompt need a Hugging Face tokenizer)")
+
+    def state(self) -> list[str]:
+        return list(self.chars)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """tokenizer.json + tokenizer_config.json: a BPE with no merges over our characters
+        (so each character is its own token, ids unchanged), BOS prepended like ours."""
+        from tokenizers import Tokenizer, decoders, models, processors
+
+        vocab = {t: i for i, t in enumerate(self.itos)}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        tk.add_special_tokens(list(SPECIALS))
+        tk.decoder = decoders.Fuse()
+        tk.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tk.save(str(path / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>",
+                  "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> CharTokenizer:
@@ -115,6 +151,19 @@ class HFTokenizer:
         pad = self._id(self.specials["pad_token"])
         self.pad_id = pad if pad is not None else self.eos_id  # masked out wherever it is used
         self.chat_template = chat_template
+        self.chat, self.system_prompt = chat_template is not None, ""
+
+    def configure_chat(self, chat_template: str, system_prompt: str) -> None:
+        """chat_template auto | on | off: whether prompts go through the template (auto: when
+        the tokenizer has one); system_prompt: a system message before each prompt."""
+        if chat_template == "on" and self.chat_template is None:
+            raise ValueError("chat_template: on, but the tokenizer has none (no chat_template "
+                             "in tokenizer_config.json, no chat_template.jinja)")
+        self.chat = self.chat_template is not None and chat_template != "off"
+        if system_prompt and not self.chat:
+            raise ValueError("system_prompt: needs the chat template (chat_template: auto or "
+                             "on, and a tokenizer that has one)")
+        self.system_prompt = system_prompt
 
     def _id(self, text: str | None) -> int | None:
         return None if text is None else self.tk.token_to_id(text)
@@ -143,9 +192,40 @@ class HFTokenizer:
             raise ValueError(f"{path / 'tokenizer.json'}: cannot load ({e})") from None
         return cls(tk, config, template, extra)
 
+    @classmethod
+    def from_state(cls, state: dict) -> HFTokenizer:
+        """The tokenizer a checkpoint stored (`state()`)."""
+        from tokenizers import Tokenizer
+
+        try:
+            tk = Tokenizer.from_str(state["tokenizer.json"])
+            return cls(tk, state["config"], state["chat_template"], state["eos_ids"])
+        except Exception as e:  # a foreign or damaged checkpoint entry
+            raise ValueError(f"tokenizer: cannot rebuild the stored tokenizer ({e})") from None
+
+    def state(self) -> dict:
+        return {"type": "hf", "tokenizer.json": self.tk.to_str(), "config": self.config,
+                "chat_template": self.chat_template, "eos_ids": self.eos_ids}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HFTokenizer) and self.state() == other.state()
+
     @property
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def unknown_chars(self, text: str) -> list[str]:
+        return []  # a BPE tokenizer encodes any text (bytes, or its own fallback)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A task's prompt as ids: through the chat template as one user message (after the
+        system prompt, if any) when chat is on, else BOS + text."""
+        if not self.chat:
+            return self.encode(text, bos=True)
+        messages = [{"role": "user", "content": text}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self.encode(self.apply_chat_template(messages))
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Token ids; `bos=True` adds what the tokenizer puts at a sequence's start (its
@@ -174,7 +254,7 @@ class HFTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             **{k: v for k, v in self.specials.items() if v is not None}, **kwargs)
 
-    def save(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path) -> None:
         """tokenizer.json, tokenizer_config.json (with the chat template) into a directory."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -184,6 +264,18 @@ class HFTokenizer:
             config["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2,
                                                                ensure_ascii=False))
+
+
+Tokenizer = CharTokenizer | HFTokenizer
+
+
+def tokenizer_from_state(state) -> Tokenizer:
+    """The tokenizer a checkpoint stored: an alphabet (list) or an HFTokenizer state."""
+    if isinstance(state, list) and all(isinstance(c, str) and len(c) == 1 for c in state):
+        return CharTokenizer(state)
+    if isinstance(state, dict) and state.get("type") == "hf":
+        return HFTokenizer.from_state(state)
+    raise ValueError("tokenizer: not a mini-grpo tokenizer state")
 
 
 def _token_text(value) -> str | None:

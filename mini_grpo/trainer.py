@@ -288,6 +288,6 @@ def save_grpo_checkpoint(run, opt, scaler, guard: Guard, step: int, rng_states: 
         return None
     state = {"kind": "grpo", "model": model.state_dict(), "optimizer": opt.state_dict(),
              "scaler": scaler.state_dict(), "guard": guard.state_dict(), "step": step,
-             "rng": rng_states, "config": cfg.to_dict(), "tokenizer": run.tok.chars}
+             "rng": rng_states, **run.identity()}
     return save_checkpoint(state, Path(cfg.out_dir) / "checkpoints", step,
                            keep=cfg.keep_checkpoints)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mini_grpo.config import load_config
-from mini_grpo.model import GPT, GPTConfig
+from mini_grpo.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,3 +68,44 @@ def entry(*args, env=None, timeout=300, cwd=None):
     return subprocess.run([sys.executable, str(ROOT / "distributed_train.py"), *args],
                           capture_output=True, text=True, cwd=cwd or ROOT,
                           env=clean_env(**(env or {})), timeout=timeout)
+
+
+# ChatML, as Qwen2.5 writes it: a default system message, <|im_start|>role ... <|im_end|>
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0) -> Path:
+    """A pretrained-style model directory as save_pretrained writes it, built locally with
+    transformers (nothing downloaded): a 2-layer, 64-wide `model_type` model with random
+    weights, and a byte-level BPE tokenizer trained on chess text with a ChatML template
+    (eos <|im_end|>, pad <|endoftext|>)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["e2e4 e7e5 g1f3 b8c6 f1b5 a7a6: write the FEN of the final position",
+              "rnbqkbnr/pppppppp/8/8/4P3/8/PPPP1PPP/RNBQKBNR b KQkq - 0 1",
+              "system user assistant You are a helpful assistant."]
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                                                  pad_token="<|endoftext|>")
+    hf_tok.chat_template = CHATML
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=model_type == "qwen2",
+        eos_token_id=tk.token_to_id("<|im_end|>"))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    out = Path(path)
+    model.save_pretrained(out)
+    hf_tok.save_pretrained(out)
+    return out

@@ -14,7 +14,7 @@ import torch
 
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
-from mini_grpo.model import GPT, GPTConfig
+from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.rollout import Rollout, micro_batches, pad_left
 from mini_grpo.trainer import advantages, policy_pass
 

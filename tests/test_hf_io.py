@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from mini_grpo.checkpoint import CheckpointError  # noqa: E402
-from mini_grpo.hf_io import load_hf_model  # noqa: E402
 from mini_grpo.logprobs import completion_logprobs  # noqa: E402
+from mini_grpo.models.hf import load_hf_model  # noqa: E402
 from mini_grpo.rollout import generate  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def test_bad_model_directories_are_named(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "bert",
                                                   "architectures": ["BertModel"]}))
     with pytest.raises(CheckpointError, match="'bert' \\(BertModel\\) is not supported "
-                                              "\\(supported: gpt2\\)"):
+                                              "\\(supported: gpt2, llama, qwen2, "):
         load_hf_model(path)
     # a config that asks for more than its weights hold: refused before anything is read
     (path / "config.json").write_text(json.dumps({**config, "n_layer": 10**9}))
@@ -100,13 +100,13 @@ def test_bad_model_directories_are_named(tmp_path):
 @pytest.mark.parametrize("activation", ["gelu", "gelu_new"])
 def test_our_gpt_saved_as_gpt2_loads_in_transformers_with_the_same_logits(tmp_path,
                                                                           activation):
-    from mini_grpo.hf_io import save_hf_gpt2
-    from mini_grpo.model import GPT, GPTConfig
+    from mini_grpo.models import GPT, GPTConfig
+    from mini_grpo.models.hf import save_hf
 
     torch.manual_seed(0)
     ours = GPT(GPTConfig(vocab_size=44, block_size=48, n_layer=2, n_head=2, n_embd=32,
                          activation=activation)).eval()
-    path = save_hf_gpt2(ours, tmp_path / "hf")
+    path = save_hf(ours, tmp_path / "hf")
     assert not list(tmp_path.glob(".hf.tmp*"))
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     idx = torch.randint(0, 44, (2, 30), generator=torch.Generator().manual_seed(2))

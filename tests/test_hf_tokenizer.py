@@ -97,7 +97,7 @@ def test_decode_stops_at_any_eos_and_round_trips_through_save(tmp_path):
     ids = tok.encode("the board")
     assert tok.decode(ids + [tok.eos_id] + tok.encode("after")) == "the board"
     assert tok.decode(ids + [0] + ids) == "the board"  # <|endoftext|>, the generation EOS
-    tok.save(tmp_path / "again")
+    tok.save_pretrained(tmp_path / "again")
     again = HFTokenizer.from_dir(tmp_path / "again")
     assert again.encode("write the FEN") == tok.encode("write the FEN")
     assert again.apply_chat_template(MESSAGES[0]) == tok.apply_chat_template(MESSAGES[0])

@@ -1,6 +1,6 @@
 import torch
 
-from mini_grpo.model import GPT, GPTConfig, attention_mask, positions
+from mini_grpo.models import GPT, GPTConfig, attention_mask, positions
 
 
 def tiny_gpt(seed=0, **kw):

@@ -11,8 +11,9 @@ from conftest import metrics, tiny
 from mini_grpo.checkpoint import latest_checkpoint
 from mini_grpo.config import load_config
 from mini_grpo.job import train
+from mini_grpo.models import build
 from mini_grpo.precision import compile_with_fallback, resolve_precision
-from mini_grpo.run import build_model
+from mini_grpo.run import gpt_spec
 
 
 def sft_losses(out_dir, steps=16, **kw):
@@ -75,7 +76,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     torch.manual_seed(0)
-    model = build_model(load_config("tiny", env={}), 40)
+    model = build(gpt_spec(load_config("tiny", env={}), 40))
     wrapped = compile_with_fallback(model)
     idx = torch.randint(4, 40, (2, 8))
     with pytest.warns(UserWarning, match="backend exploded") as rec:
@@ -122,7 +123,7 @@ def test_auto_precision_follows_the_probe_not_the_device_type(monkeypatch):
     from mini_grpo import precision
 
     monkeypatch.setattr(precision, "_cpu_has_bf16", lambda: True)
-    model = build_model(load_config("tiny", env={}), 40)
+    model = build(gpt_spec(load_config("tiny", env={}), 40))
     cpu = torch.device("cpu")
     for figures, want in [
         ({"train_bf16": 1.0, "train_fp32": 2.0, "sample_bf16": 3.0, "sample_fp32": 2.0},

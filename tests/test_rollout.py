@@ -2,7 +2,7 @@ import torch
 from conftest import tiny_gpt
 
 from mini_grpo.logprobs import completion_logprobs
-from mini_grpo.model import GPT, GPTConfig
+from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.rollout import generate, sample
 from mini_grpo.tokenizer import CharTokenizer
 

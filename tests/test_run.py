@@ -72,9 +72,16 @@ def checkpoint(tmp_path_factory):
     return list_checkpoints(out / "checkpoints")[-1]
 
 
-def tampered(checkpoint, tmp_path, **config):
+def tampered(checkpoint, tmp_path, spec=None, **config):
+    """The checkpoint with `config` keys changed, and its model spec changed by `spec`
+    (a dict of config keys, or "drop": a checkpoint saved before specs were stored)."""
     state = load_checkpoint(checkpoint)
     state["config"].update(config)
+    if spec == "drop":
+        del state["model_spec"]
+    elif spec:
+        state["model_spec"] = {**state["model_spec"], **spec.pop("_", {})}
+        state["model_spec"]["config"].update(spec)
     return save_checkpoint(state, tmp_path / "bad", 1)
 
 
@@ -97,8 +104,14 @@ def test_a_checkpoint_never_imports_a_plugin_only_it_names(checkpoint, tmp_path)
 
 
 @pytest.mark.parametrize("config, needle", [
-    ({"n_layer": 300}, "missing weights: blocks.2."),  # compared on the meta device
-    ({"n_embd": 64}, "mismatched weights"),
+    # the model a checkpoint describes is compared with its weights before it is built
+    ({"spec": {"n_layer": 10**9}}, "its model has 1000000000 layers, its weights 2"),
+    ({"spec": {"n_embd": 64}}, "mismatched weights"),  # on the meta device
+    ({"spec": {"_": {"family": "bert"}}}, "model family 'bert' is not one of gpt, llama"),
+    ({"spec": {"n_heads": 3}}, "unknown keys ['n_heads']"),
+    # saved before specs were stored: the config's model fields describe it
+    ({"spec": "drop", "n_layer": 3}, "its model has 3 layers, its weights 2"),
+    ({"spec": "drop", "n_embd": 64}, "mismatched weights"),
     ({"lrr": 0.1}, "config key unknown key 'lrr'"),
     ({"lr": "fast"}, "lr: expected a number"),
     ({"temperature": float("nan")}, "temperature: must be a finite number"),

@@ -31,8 +31,9 @@ def test_few_steps_change_parameters_and_reproduce(tmp_path):
     sa, sb = final_weights(a), final_weights(b)
     assert sa["step"] == 2
     torch.manual_seed(a.seed)  # the initial weights, as the trainer builds them
-    from mini_grpo.run import build_model
-    init = build_model(a, len(sa["tokenizer"]) + 4).state_dict()
+    from mini_grpo.models import build
+    from mini_grpo.run import gpt_spec
+    init = build(gpt_spec(a, len(sa["tokenizer"]) + 4)).state_dict()
     moved = [k for k in init if not torch.equal(init[k], sa["model"][k])]
     assert moved, "no parameter changed"
     for k in sa["model"]:
@@ -155,7 +156,7 @@ def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
 def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     """num_iterations > 1: the old log-probs are the first pass's own, not the ones recorded
     while sampling (other kernels, eval mode), so a policy that has not moved is not clipped."""
-    from mini_grpo.model import GPT, GPTConfig
+    from mini_grpo.models import GPT, GPTConfig
     from mini_grpo.rollout import micro_batches
     from mini_grpo.trainer import advantages, policy_pass
 

@@ -1,35 +1,41 @@
-"""Hugging Face model directories in and out: config.json + safetensors <-> our own model code.
+"""Hugging Face model directories in and out: config.json + safetensors <-> our model code.
 
-    model = load_hf_model("path/to/gpt2")      # a directory saved by save_pretrained
-    save_hf_gpt2(model, "out/hf")              # transformers' GPT2LMHeadModel loads it
+    model = load_hf_model("path/to/Qwen2.5-0.5B-Instruct")   # a save_pretrained directory
+    save_hf(model, "out/hf", tokenizer=tok)                   # transformers loads it back
 
-Supported architectures (`model_type` in config.json): gpt2. Anything else is a
+Supported architectures (`model_type` in config.json): see HF_TYPES; anything else is a
 CheckpointError naming it and the supported ones. Weights are read with `safetensors` (no
 pickle), from `model.safetensors` or the shards a `model.safetensors.index.json` lists; the
 model is built on the meta device and the checkpoint's tensors are assigned into it, so no
-random model is materialised first, and the shapes the config implies are compared with the
+random model is materialised first, and the sizes the config implies are compared with the
 file's before any tensor is read (a config.json is untrusted input: its sizes are bounded by
 the weights it comes with). Missing, unexpected or mismatched weights are named (the first
 few). Nothing is downloaded: fetch a model with the hub's own CLI first, then point here.
 
-GPT-2 in our GPT (model.py): Conv1D weights are stored (in, out) and are transposed to
-Linear's (out, in); `gelu_new` is the tanh GELU; `n_inner`, `layer_norm_epsilon` and
-`n_positions` carry over; the LM head is tied to the token embedding.
+GPT-2 in our GPT: Conv1D weights are stored (in, out) and are transposed to Linear's
+(out, in); `gelu_new` is the tanh GELU; the LM head is tied to the token embedding.
+The Llama family: our names are theirs without the "model." prefix.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, check_shapes
-from .model import GPT, GPTConfig
-from .tokenizer import read_json_object
+from ..checkpoint import CheckpointError, check_shapes
+from ..tokenizer import read_json_object
+from . import CausalLM, GPTConfig, LlamaConfig, build
 
-SUPPORTED = ("gpt2",)
+# model_type -> our family
+HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
+            "mistral": "llama"}
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few kB; refuse to parse anything huge
+SHARD_BYTES = 5 * 10**9  # save_hf: shards above this size, as save_pretrained does
 
 
 def read_config(path: str | Path) -> dict:
@@ -43,10 +49,10 @@ def read_config(path: str | Path) -> dict:
     if config is None:
         raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
     kind = config.get("model_type")
-    if kind not in SUPPORTED:
+    if kind not in HF_TYPES:
         arch = ", ".join(config.get("architectures") or []) or "?"
         raise CheckpointError(f"{file}: model_type {kind!r} ({arch}) is not supported "
-                              f"(supported: {', '.join(SUPPORTED)})")
+                              f"(supported: {', '.join(HF_TYPES)})")
     return config
 
 
@@ -57,14 +63,18 @@ def _int(config: dict, key: str, default=None, lo: int = 1) -> int:
     return v
 
 
+def _float(config: dict, key: str, default, lo: float = 0.0, hi: float = float("inf")):
+    v = config.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
+        raise CheckpointError(f"config.json: {key} must be a number in ({lo}, {hi}), got {v!r}")
+    return float(v)
+
+
 def gpt2_config(config: dict) -> GPTConfig:
     act = config.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
         raise CheckpointError(f"config.json: activation_function {act!r} is not supported "
                               f"(gelu_new, gelu)")
-    eps = config.get("layer_norm_epsilon", 1e-5)
-    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
-        raise CheckpointError(f"config.json: layer_norm_epsilon must be in (0, 1), got {eps!r}")
     n_embd, n_head = _int(config, "n_embd"), _int(config, "n_head")
     if n_embd % n_head:
         raise CheckpointError(f"config.json: n_embd {n_embd} is not divisible by n_head {n_head}")
@@ -73,8 +83,110 @@ def gpt2_config(config: dict) -> GPTConfig:
                      block_size=_int(config, "n_positions", config.get("n_ctx")),
                      n_layer=_int(config, "n_layer"), n_head=n_head, n_embd=n_embd,
                      activation="gelu" if act == "gelu" else "gelu_new",
-                     layer_norm_epsilon=float(eps),
+                     layer_norm_epsilon=_float(config, "layer_norm_epsilon", 1e-5, hi=1),
                      n_inner=None if n_inner is None else _int(config, "n_inner"))
+
+
+def _rope(config: dict) -> tuple[float, dict]:
+    """(rope_theta, scaling) from either spelling: rope_theta + rope_scaling (the hub's
+    checkpoints) or rope_parameters (transformers 5)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json: rope_parameters must be an object, got {params!r}")
+    theta = _float(config, "rope_theta", params.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    need = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}
+    if kind not in need:
+        raise CheckpointError(f"config.json: rope type {kind!r} is not supported "
+                              f"({', '.join(need)})")
+    scaling = {"rope_type": kind} if kind != "default" else {}
+    for key in need[kind]:
+        scaling[key] = _float(params, key, None)
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise CheckpointError("config.json: rope high_freq_factor must exceed low_freq_factor")
+    return theta, scaling
+
+
+def llama_config(config: dict) -> LlamaConfig:
+    kind = config["model_type"]
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json: hidden_act {config['hidden_act']!r} is not "
+                              f"supported (silu)")
+    window = config.get("sliding_window") if kind == "mistral" else None
+    if config.get("use_sliding_window") or window:
+        raise CheckpointError("config.json: sliding-window attention is not supported")
+    n_embd, n_head = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    n_kv = _int(config, "num_key_value_heads", n_head)
+    if n_head % n_kv:
+        raise CheckpointError(f"config.json: num_attention_heads {n_head} is not a multiple "
+                              f"of num_key_value_heads {n_kv}")
+    head_dim = config.get("head_dim") or n_embd // n_head
+    head_dim = _int({"head_dim": head_dim}, "head_dim")
+    if head_dim % 2:
+        raise CheckpointError(f"config.json: head_dim {head_dim} must be even (RoPE)")
+    theta, scaling = _rope(config)
+    bias = bool(config.get("attention_bias", False))
+    return LlamaConfig(
+        vocab_size=_int(config, "vocab_size"), block_size=_int(config, "max_position_embeddings"),
+        n_layer=_int(config, "num_hidden_layers"), n_head=n_head, n_kv_head=n_kv,
+        n_embd=n_embd, head_dim=head_dim, n_inner=_int(config, "intermediate_size"),
+        rms_norm_eps=_float(config, "rms_norm_eps", 1e-6, hi=1), rope_theta=theta,
+        rope_scaling=scaling, qkv_bias=kind == "qwen2" or bias,
+        o_bias=bias and kind != "qwen2", mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3",
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def hf_spec(config: dict) -> dict:
+    """Our model spec (models.spec) for a checked config.json."""
+    family = HF_TYPES[config["model_type"]]
+    cfg = gpt2_config(config) if family == "gpt" else llama_config(config)
+    return {"family": family, "config": asdict(cfg)}
+
+
+# names: theirs <-> ours
+
+def _conv1d(family: str, name: str) -> bool:
+    return family == "gpt" and name.endswith(("attn.c_attn.weight", "attn.c_proj.weight",
+                                              "mlp.c_fc.weight", "mlp.c_proj.weight"))
+
+
+def _ours(family: str, name: str) -> str | None:
+    """Our parameter name for one of theirs; None for buffers we do not keep."""
+    if family == "gpt":
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers
+            return None
+        return name.replace("h.", "blocks.", 1) if name.startswith("h.") else name
+    if name.endswith("rotary_emb.inv_freq"):  # computed, not learned
+        return None
+    return name.removeprefix("model.")
+
+
+def _theirs(family: str, name: str) -> str:
+    if family == "gpt":
+        return "transformer." + (name.replace("blocks.", "h.", 1)
+                                 if name.startswith("blocks.") else name)
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def _check_sizes(spec: dict, shapes: dict, path: Path) -> None:
+    """The config's layer count and embedding size against the weights', before a model of
+    the config's size is even built on the meta device (named as config.json names them)."""
+    cfg, gpt = spec["config"], spec["family"] == "gpt"
+    layers = {k.split(".")[1] for k in shapes if k.startswith(("blocks.", "layers."))}
+    emb = shapes.get("wte.weight" if gpt else "embed_tokens.weight") or (None, None)
+    checks = [("n_layer" if gpt else "num_hidden_layers", cfg["n_layer"], len(layers)),
+              ("vocab_size", cfg["vocab_size"], emb[0]),
+              ("n_embd" if gpt else "hidden_size", cfg["n_embd"], emb[1])]
+    if gpt:
+        checks.append(("n_positions", cfg["block_size"], (shapes.get("wpe.weight") or [None])[0]))
+    for key, said, found in checks:
+        if said != found:
+            raise CheckpointError(f"{path}: config.json says {key} {said}, its weights hold "
+                                  f"{found}")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -96,62 +208,38 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _gpt2_name(name: str) -> str | None:
-    """Our parameter name for a GPT-2 one; None for buffers we do not keep."""
-    name = name.removeprefix("transformer.")
-    if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers, not weights
-        return None
-    return name.replace("h.", "blocks.", 1) if name.startswith("h.") else name
-
-
-def _conv1d(name: str) -> bool:
-    return name.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                          "mlp.c_proj.weight"))
-
-
-def _check_sizes(cfg: GPTConfig, shapes: dict, path: Path) -> None:
-    """The config's sizes against the weights' (layers, width, vocabulary, positions), before
-    a model of the config's size is even built on the meta device."""
-    layers = {k.split(".")[1] for k in shapes if k.startswith("blocks.")}
-    wte, wpe = shapes.get("wte.weight"), shapes.get("wpe.weight")
-    found = {"n_layer": len(layers), "n_embd": wte[1] if wte else None,
-             "vocab_size": wte[0] if wte else None, "n_positions": wpe[0] if wpe else None}
-    said = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.block_size}
-    for key, n in found.items():
-        if n != said[key]:
-            raise CheckpointError(f"{path}: config.json says {key} {said[key]}, its weights "
-                                  f"hold {n}")
-
-
 def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
-                  device: str | torch.device = "cpu") -> GPT:
-    """Our model with the directory's weights, in `dtype` (default: the checkpoint's)."""
+                  device: str | torch.device = "cpu") -> CausalLM:
+    """Our model with the directory's weights, in `dtype` (default: the checkpoint's). The
+    directory's config.json is kept as `model.hf_config` (save_hf writes it back)."""
     from safetensors import safe_open
 
     path = Path(path)
-    cfg = gpt2_config(read_config(path))
+    config = read_config(path)
+    spec = hf_spec(config)
+    family = spec["family"]
     files = weight_files(path)
     shapes, where = {}, {}
     for f in files:  # headers first: names and shapes, no tensor read yet
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for key in sf.keys():
-                    ours = _gpt2_name(key)
+                    ours = _ours(family, key)
                     if ours is None:
                         continue
                     shape = sf.get_slice(key).get_shape()
-                    shapes[ours] = torch.Size(shape[::-1] if _conv1d(ours) else shape)
+                    shapes[ours] = torch.Size(shape[::-1] if _conv1d(family, ours) else shape)
                     where[ours] = (f, key)
         except Exception as e:  # a truncated or foreign file: the library's own error
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
-    if "lm_head.weight" not in shapes and "wte.weight" in shapes:
-        shapes["lm_head.weight"] = shapes["wte.weight"]  # tied: stored once
-    _check_sizes(cfg, shapes, path)
+    _check_sizes(spec, shapes, path)
     with torch.device("meta"):  # sizes now bounded by the file's own tensors
-        model = GPT(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    check_shapes(expected, {k: torch.empty(s, device="meta") for k, s in shapes.items()},
+        model = build(spec)
+    tied = _tied(model)
+    if tied and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes.get(tied)  # stored once
+    check_shapes({k: v.shape for k, v in model.state_dict().items()},
+                 {k: torch.empty(s, device="meta") for k, s in shapes.items() if s is not None},
                  str(path))
     state = {}
     for f in files:
@@ -159,43 +247,121 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
             for ours, (src, key) in where.items():
                 if src == f:
                     t = sf.get_tensor(key)
-                    t = t.t().contiguous() if _conv1d(ours) else t
+                    t = t.t().contiguous() if _conv1d(family, ours) else t
                     state[ours] = t.to(dtype) if dtype is not None else t
-    state["lm_head.weight"] = state["wte.weight"]
+    if tied:
+        state["lm_head.weight"] = state[tied]
     model.load_state_dict(state, assign=True)
-    model.lm_head.weight = model.wte.weight  # keep the tie after assign
+    if tied:  # assign replaced both tensors: tie them again
+        model.lm_head.weight = model.get_parameter(tied)
+    model.hf_config = config
     return model
 
 
-def save_hf_gpt2(model: GPT, path: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Our GPT as a Hugging Face GPT-2 directory (config.json + model.safetensors) that
-    transformers' GPT2LMHeadModel.from_pretrained loads: the inverse of load_hf_model.
-    Written to a temporary directory and renamed, so a kill never leaves half of one."""
-    import os
-    import shutil
+def _tied(model: CausalLM) -> str | None:
+    """The name of the embedding the LM head shares its weight with, if it does."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name != "lm_head.weight" and p is model.lm_head.weight:
+            return name
+    return None
 
+
+def export_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
+    """The dtype to export in: `name`, or for auto the one the model's config.json names
+    (a pretrained checkpoint's own), else float32."""
+    if name == "auto":
+        config = getattr(model, "hf_config", None) or {}
+        name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {name!r}")
+    return dtype
+
+
+def export_config(model: CausalLM, dtype: torch.dtype) -> dict:
+    """config.json for `model`: the one it was loaded with, else one built from its own."""
+    name = str(dtype).removeprefix("torch.")
+    config = dict(getattr(model, "hf_config", None) or _new_config(model))
+    config.pop("transformers_version", None)
+    config.pop("torch_dtype", None)
+    config["dtype"] = name
+    return config
+
+
+def _new_config(model: CausalLM) -> dict:
+    c = model.cfg
+    if model.family == "gpt":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": c.vocab_size, "n_positions": c.block_size,
+                "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
+                "n_head": c.n_head, "n_inner": c.n_inner, "activation_function": c.activation,
+                "layer_norm_epsilon": c.layer_norm_epsilon, "tie_word_embeddings": True,
+                "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout}
+    kind = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.o_bias else "llama"
+    # what each model_type can say: llama/qwen3 one attention_bias for q, k, v and o, qwen2
+    # q/k/v bias without o, neither qwen an MLP bias
+    if (kind != "qwen2" and c.qkv_bias != c.o_bias) or (kind != "llama" and c.mlp_bias):
+        raise ValueError(f"this combination of biases and q/k norm has no Hugging Face "
+                         f"model_type ({kind} cannot say it)")
+    rope = {"rope_theta": c.rope_theta, "rope_type": "default", **c.rope_scaling}
+    return {"model_type": kind, "architectures": [f"{kind.capitalize()}ForCausalLM"],
+            "vocab_size": c.vocab_size, "max_position_embeddings": c.block_size,
+            "hidden_size": c.n_embd, "intermediate_size": c.n_inner,
+            "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+            "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling or None, "rope_parameters": rope,
+            "attention_bias": c.qkv_bias and kind != "qwen2", "mlp_bias": c.mlp_bias,
+            "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": c.dropout}
+
+
+def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
+            tokenizer=None, shard_bytes: int = SHARD_BYTES) -> Path:
+    """`model` as a Hugging Face directory that transformers' AutoModelForCausalLM loads:
+    config.json, model.safetensors (or shards with an index above `shard_bytes`),
+    generation_config.json and, given a tokenizer, its files. Written to a temporary
+    directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
-    c, path = model.cfg, Path(path)
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-              "vocab_size": c.vocab_size, "n_positions": c.block_size, "n_ctx": c.block_size,
-              "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-              "n_inner": c.n_inner, "activation_function": c.activation,
-              "layer_norm_epsilon": c.layer_norm_epsilon, "tie_word_embeddings": True,
-              "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout}
+    path, family, tied = Path(path), model.family, _tied(model)
     state = {}
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight":  # tied to wte: stored once
+        if name == "lm_head.weight" and tied:  # stored once, as the embedding
             continue
         t = t.detach().to("cpu", dtype or t.dtype)
-        t = t.t() if _conv1d(name) else t
-        hf = name.replace("blocks.", "h.", 1) if name.startswith("blocks.") else name
-        state[f"transformer.{hf}"] = t.contiguous()
+        state[_theirs(family, name)] = (t.t() if _conv1d(family, name) else t).contiguous()
+    dtype = dtype or model.lm_head.weight.dtype
+    config = export_config(model, dtype)
+    shards, size = [[]], 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if len(shards) == 1:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: state[k] for k in names}, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, file))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    gen = {}
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+        gen = {"bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id,
+               "eos_token_id": (tokenizer.eos_ids if len(tokenizer.eos_ids) > 1
+                                else tokenizer.eos_id)}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path

@@ -1,0 +1,56 @@
+"""Model families, our own code: `gpt` (ours, and Hugging Face GPT-2) and `llama` (Llama 3.x,
+Qwen2/2.5, Qwen3, SmolLM2, Mistral). Each is a CausalLM (core.py) with the same forward
+passes, KV cache and shared-prompt pass; the trainer never asks which family it holds.
+
+A model travels in our checkpoints as its spec, {"family": ..., "config": {...}} (`spec`),
+and is rebuilt from it (`build`); hf.py reads and writes Hugging Face directories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from .core import CausalLM, KVCache, attention_mask, positions
+from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig
+
+FAMILIES: dict[str, tuple[type[CausalLM], type]] = {
+    "gpt": (GPT, GPTConfig),
+    "llama": (Llama, LlamaConfig),
+}
+
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "CausalLM", "KVCache", "Llama", "LlamaConfig",
+           "attention_mask", "build", "positions", "spec"]
+
+
+def spec(model: CausalLM) -> dict:
+    """What rebuilds `model`'s architecture: its family and config (plain JSON values), and
+    the config.json it was loaded from, if any (a later export writes it back)."""
+    out = {"family": model.family, "config": asdict(model.cfg)}
+    if getattr(model, "hf_config", None):
+        out["hf_config"] = model.hf_config
+    return out
+
+
+def model_config(spec: dict):
+    """The family's config dataclass from a spec (untrusted: a checkpoint carries it);
+    ValueError naming what is wrong."""
+    family = spec.get("family") if isinstance(spec, dict) else None
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is not one of {', '.join(FAMILIES)}")
+    cls = FAMILIES[family][1]
+    config = spec.get("config")
+    names = {f.name for f in fields(cls)}
+    if not isinstance(config, dict) or set(config) - names:
+        raise ValueError(f"model config of family {family} has unknown keys "
+                         f"{sorted(set(config or {}) - names)}")
+    return cls(**config)
+
+
+def build(spec: dict) -> CausalLM:
+    """The model a spec describes, with random weights (on the current default device: use
+    `with torch.device("meta")` to build without allocating)."""
+    model = FAMILIES[spec["family"]][0](model_config(spec))
+    if isinstance(spec.get("hf_config"), dict):
+        model.hf_config = spec["hf_config"]
+    return model

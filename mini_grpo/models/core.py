@@ -1,0 +1,262 @@
+"""What every model family shares: left-padded positions and masks, the KV cache, attention
+(SDPA or manual, grouped-query), and CausalLM, the forward passes the trainer relies on.
+
+A family (gpt.py, llama.py) supplies its blocks, `embed(idx, pos)`, `rope(pos)` (rotary
+cos/sin, or None when positions are learned embeddings), `norm_f` and `lm_head`; CausalLM runs
+them the same way for every family:
+  forward(idx, pos, mask, cache, logits_from)   full pass, or one decoding step with a cache
+  forward(completions, prefix=(prompts, ...))    the shared-prompt pass (forward_shared)
+Rows of a batch may be left-padded. Callers then pass, for every forward pass:
+  pos   (B, T) absolute positions, so a row's real tokens get the positions they would get alone
+        (`positions(valid)`), and
+  mask  (B, 1, T, S) bool attention mask over the S keys seen so far (`attention_mask(...)`).
+With neither, the batch is taken as unpadded and attention is plain causal. The model code
+knows nothing of RL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def positions(valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool -> (B, T) long: index of each real token within its row (pads get 0)."""
+    return (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
+def attention_mask(key_valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Causal mask for the last `q_len` of S keys, hiding pad keys: (B, S) -> (B, 1, q_len, S).
+
+    A pad query still attends to itself so no row is fully masked (SDPA would return NaN);
+    its output is never used.
+    """
+    S = key_valid.size(1)
+    q = torch.arange(S - q_len, S, device=key_valid.device)[:, None]  # (q_len, 1)
+    k = torch.arange(S, device=key_valid.device)[None, :]  # (1, S)
+    m = (k <= q)[None] & key_valid[:, None, :]  # (B, q_len, S)
+    return (m | (k == q)[None])[:, None]
+
+
+class KVCache:
+    """Pre-allocated keys and values for every layer: (n_layer, B, n_kv_head, max_len, hs)."""
+
+    def __init__(self, n_layer, batch, n_head, max_len, head_dim, device, dtype):
+        shape = (n_layer, batch, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.len = 0  # positions filled so far
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Writes this step's (B, nkv, T, hs) keys/values; returns all keys/values up to them."""
+        T = k.size(2)
+        self.k[layer, :, :, self.len:self.len + T] = k
+        self.v[layer, :, :, self.len:self.len + T] = v
+        end = self.len + T
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@dataclass
+class SharedPrefix:
+    """Layout of a shared-prefix pass (CausalLM.forward with `prefix=`): U prompts of P
+    columns, then B completions of m input tokens each; row i's prompt is prompts[index[i]]."""
+    U: int
+    P: int
+    B: int
+    m: int
+    index: torch.Tensor  # (B,) long: each row's prompt
+    mask_p: torch.Tensor  # (U, 1, P, P) prompt tokens: causal, pad keys hidden
+    mask_c: torch.Tensor  # (B, 1, m, P + m) completion tokens: own prompt + causal
+    rope_p: tuple | None = None  # rotary (cos, sin) of the prompt tokens (U, P, hs)
+    rope_c: tuple | None = None  # ... and of the completion tokens (B, m, hs)
+
+
+def rotate(x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+    """Rotary embedding of x (N, heads, T, hs) with cos/sin (N, T, hs): the half-split
+    (rotate_half) form Llama's checkpoints are trained with."""
+    if rope is None:
+        return x
+    cos, sin = (t[:, None].to(x.dtype) for t in rope)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention; a family supplies `project(x) -> q (..., nh, hs), k, v
+    (..., nkv, hs)` and `out(y)`. Keys and values are cached with their nkv heads; queries
+    share them in groups of nh / nkv (grouped-query attention)."""
+
+    def __init__(self, n_head: int, n_kv_head: int, head_dim: int, dropout: float):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.dropout = dropout
+        self.manual = False  # plain matmul-softmax attention instead of SDPA (CausalLM.attn_impl)
+
+    def forward(self, x, mask=None, cache: KVCache | None = None, layer: int = 0,
+                shared: SharedPrefix | None = None, rope: tuple | None = None):
+        if shared is not None:
+            return self._forward_shared(x, shared)
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.project(x))  # (B, h, T, hs)
+        q, k = rotate(q, rope), rotate(k, rope)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, nkv, S, hs)
+        if mask is None:
+            if cache is not None and cache.len > 0:
+                raise ValueError("incremental decoding needs an attention mask")
+            if not self.manual:
+                mask = "causal"
+            else:
+                S = k.size(2)
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        # with a cache (sampling) always SDPA: it reads the cache's strided slice in place,
+        # where a bf16 matmul on a CPU first copies it (1.9 vs 0.8 ms a layer at batch 128)
+        y = self._attend(q, k, v, mask, self.manual and cache is None)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend(self, q, k, v, mask, manual: bool):
+        """softmax(q k^T / sqrt(hs)) v over the keys `mask` allows (bool, True = attend, or
+        "causal"); manual = matmul, softmax, matmul, else SDPA."""
+        p = self.dropout if self.training else 0.0
+        gqa = self.n_kv_head != self.n_head
+        if not manual:
+            causal = isinstance(mask, str)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
+                                                  dropout_p=p, is_causal=causal, enable_gqa=gqa)
+        if gqa:
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, 1) for t in (k, v))
+        # scale q, not the (T, S) scores, and mask in place: each pass over the scores costs
+        # as much as the matmul that made them on a CPU
+        att = (q * k.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, S)
+        att = att.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+        return F.dropout(att, p) @ v if p else att @ v
+
+    def _forward_shared(self, x, s: SharedPrefix):
+        """x (U*P + B*m, C): the U prompts' tokens, then the B completions' input tokens."""
+        n_p = s.U * s.P
+        q, k, v = self.project(x)  # (U*P + B*m, h, hs)
+        qp, kp, vp = (t[:n_p].unflatten(0, (s.U, s.P)).transpose(1, 2) for t in (q, k, v))
+        qp, kp = rotate(qp, s.rope_p), rotate(kp, s.rope_p)  # (U, h, P, hs)
+        y = [self._attend(qp, kp, vp, s.mask_p, self.manual).transpose(1, 2).flatten(0, 1)]
+        if s.m:
+            qc, kc, vc = (t[n_p:].unflatten(0, (s.B, s.m)).transpose(1, 2) for t in (q, k, v))
+            qc, kc = rotate(qc, s.rope_c), rotate(kc, s.rope_c)
+            # each completion sees its prompt's keys (computed once) and its own
+            k = torch.cat([kp[s.index], kc], 2)  # (B, nkv, P + m, hs)
+            v = torch.cat([vp[s.index], vc], 2)
+            y.append(self._attend(qc, k, v, s.mask_c, self.manual).transpose(1, 2)
+                     .flatten(0, 1))
+        return self.out(torch.cat(y).flatten(1))
+
+
+class CausalLM(nn.Module):
+    """The passes every family runs the same way (see the module docstring). A family sets
+    `cfg` (with vocab_size, block_size, n_layer), `blocks`, `norm_f`, `lm_head` and
+    `gradient_checkpointing`, and defines embed() and, for rotary positions, rope()."""
+
+    family = ""  # the registry's name (models/__init__.py)
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rope(self, pos: torch.Tensor) -> tuple | None:
+        """Rotary (cos, sin) for positions (..., T) -> (..., T, hs) each; None: no rotary."""
+        return None
+
+    def cache_heads(self) -> tuple[int, int]:
+        """(key/value heads, head size) per layer of the KV cache."""
+        raise NotImplementedError
+
+    @property
+    def attn_impl(self) -> str:
+        return getattr(self, "_attn_impl", "sdpa")
+
+    @attn_impl.setter
+    def attn_impl(self, impl: str) -> None:
+        """"sdpa" (F.scaled_dot_product_attention) or "manual" (matmul, softmax, matmul) for
+        passes without a KV cache; sampling with the cache always runs SDPA.
+
+        Measured on a 2-core AVX-512-BF16 CPU: under bf16 autocast SDPA's backward ran 2-3x
+        slower than the manual form, while in fp32 SDPA was as fast or faster.
+        """
+        if impl not in ("sdpa", "manual"):
+            raise ValueError(f"attn_impl must be sdpa or manual, got {impl!r}")
+        self._attn_impl = impl
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.manual = impl == "manual"
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        (heads, hs), w = self.cache_heads(), self.lm_head.weight
+        return KVCache(self.cfg.n_layer, batch, heads, max_len, hs, w.device, dtype or w.dtype)
+
+    def forward(self, idx, pos=None, mask=None, cache: KVCache | None = None,
+                logits_from: int = 0, prefix: tuple[torch.Tensor, ...] | None = None,
+                hidden: bool = False):
+        """idx (B, T) -> logits (B, T - logits_from, V); `hidden=True` returns the final
+        normed hidden states (B, T', C) instead, for a caller that applies the LM head itself
+        in chunks (logprobs.py).
+
+        `logits_from` skips the LM head for positions whose logits nobody needs (the prompt).
+        With `prefix=(prompt_ids, prompt_mask, prompt_index)`, (U, P) left-padded prompts and
+        each row's prompt (B,), idx is instead (B, N) completions, and the logits are those
+        that predict each completion token (see forward_shared).
+        With a cache, keys/values are appended to it and it advances by T. Positions must stay
+        below block_size; callers check lengths up front (a check here would sync every token).
+        """
+        if prefix is not None:
+            return self.forward_shared(*prefix, idx, hidden=hidden)
+        B, T = idx.shape
+        if pos is None:
+            start = cache.len if cache is not None else 0
+            pos = torch.arange(start, start + T, device=idx.device)[None]  # (1, T)
+        x, rope = self.embed(idx, pos), self.rope(pos)  # (B, T, C)
+        ckpt = self.gradient_checkpointing and self.training and cache is None
+        for i, block in enumerate(self.blocks):
+            if ckpt:
+                x = checkpoint(block, x, mask, None, 0, None, rope, use_reentrant=False)
+            else:
+                x = block(x, mask, cache, i, None, rope)
+        if cache is not None:
+            cache.len += T
+        x = self.norm_f(x[:, logits_from:])
+        return x if hidden else self.lm_head(x)  # (B, T', V)
+
+    def forward_shared(self, prompt_ids, prompt_mask, prompt_index, completion_ids,
+                       hidden: bool = False):
+        """Logits (B, N, V) predicting each of the B completions' N tokens, where row i is a
+        completion of prompt `prompt_index[i]` of the U left-padded prompts.
+
+        Each prompt goes through the model once, however many rows share it: its keys and
+        values serve all of them. Token positions and what each token sees equal those of
+        `generate` and of a full pass over prompt + completion, so the log-probs are the same
+        up to float rounding; only the work differs (U*P + B*(N-1) token positions instead
+        of B*(P+N-1)).
+        """
+        (U, P), (B, N) = prompt_ids.shape, completion_ids.shape
+        m, dev = N - 1, prompt_ids.device
+        own = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+        pos_p = positions(prompt_mask)  # (U, P)
+        pos_c = prompt_mask.sum(1)[prompt_index][:, None] + torch.arange(m, device=dev)[None]
+        s = SharedPrefix(U, P, B, m, prompt_index, attention_mask(prompt_mask, P), torch.cat([
+            prompt_mask[prompt_index][:, None, None, :].expand(B, 1, m, P),
+            own[None, None].expand(B, 1, m, m)], -1), self.rope(pos_p), self.rope(pos_c))
+        x = torch.cat([self.embed(prompt_ids, pos_p).flatten(0, 1),
+                       self.embed(completion_ids[:, :m], pos_c).flatten(0, 1)])
+        ckpt = self.gradient_checkpointing and self.training
+        for block in self.blocks:
+            if ckpt:
+                x = checkpoint(block, x, None, None, 0, s, use_reentrant=False)
+            else:
+                x = block(x, shared=s)
+        # completion token 0 is predicted at the prompt's last column, token t at input t-1
+        last = x[:U * P].view(U, P, -1)[:, -1][prompt_index][:, None]  # (B, 1, C)
+        x = self.norm_f(torch.cat([last, x[U * P:].view(B, m, x.size(-1))], 1))  # (B, N, C)
+        return x if hidden else self.lm_head(x)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        return sum(p.numel() for p in self.parameters())

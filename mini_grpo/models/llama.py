@@ -1,0 +1,167 @@
+"""The Llama family in one class: Llama 3.x, Qwen2/2.5, Qwen3 (dense), SmolLM2, Mistral
+(without sliding window). RoPE (with `rope_theta` and the linear or llama3 frequency scaling),
+RMSNorm, SwiGLU MLP, grouped-query attention, and the switches the members differ by: q/k/v
+(and o) bias, per-head q/k RMSNorm, tied or untied head, head_dim other than width / heads.
+
+Parameter names are those of the Hugging Face checkpoints without their "model." prefix
+(`layers.0.self_attn.q_proj.weight`), so hf.py maps weights by name alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .core import Attention, CausalLM
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    block_size: int  # max_position_embeddings: the longest sequence a run may use
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    head_dim: int
+    n_inner: int  # intermediate_size of the SwiGLU MLP
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {} | {rope_type: linear | llama3, ...}
+    qkv_bias: bool = False  # Qwen2: True
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    tie_word_embeddings: bool = False
+    dropout: float = 0.0
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """(head_dim / 2,) fp32 inverse frequencies, with the config's scaling applied."""
+    hs = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.int64).float() / hs)
+    kind = cfg.rope_scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv / cfg.rope_scaling["factor"]
+    if kind != "llama3":
+        return inv
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    r = cfg.rope_scaling
+    factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+    old = r["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight (as Llama's
+    checkpoints were trained)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SelfAttention(Attention):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.dropout)
+        hs = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * hs, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * hs, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * hs, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_head * hs, cfg.n_embd, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hs, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hs, cfg.rms_norm_eps)
+
+    def project(self, x):
+        hs = self.head_dim
+        q = self.q_proj(x).unflatten(-1, (self.n_head, hs))  # (..., nh, hs)
+        k = self.k_proj(x).unflatten(-1, (self.n_kv_head, hs))  # (..., nkv, hs)
+        v = self.v_proj(x).unflatten(-1, (self.n_kv_head, hs))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def out(self, y):
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_inner, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.n_inner, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.n_inner, cfg.n_embd, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, mask=None, cache=None, layer=0, shared=None, rope=None):
+        x = x + self.self_attn(self.input_layernorm(x), mask, cache, layer, shared, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(CausalLM):
+    family = "llama"
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gradient_checkpointing = False
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        for m in self.modules():  # random init (tests, from-scratch runs); checkpoints overwrite
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        self._inv_freq: torch.Tensor | None = None  # not a buffer: never meta, never saved
+
+    @property
+    def blocks(self):
+        return self.layers
+
+    @property
+    def norm_f(self):
+        return self.norm
+
+    def embed(self, idx, pos):
+        return self.embed_tokens(idx)
+
+    def rope(self, pos):
+        if self._inv_freq is None or self._inv_freq.device != pos.device:
+            self._inv_freq = rope_frequencies(self.cfg).to(pos.device)
+        freqs = pos[..., None].float() * self._inv_freq  # (..., T, hs / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def cache_heads(self):
+        return self.cfg.n_kv_head, self.cfg.head_dim

@@ -1,0 +1,144 @@
+"""A run that starts from a Hugging Face directory and ends in one: init_from a tiny local
+Qwen2-style model with a BPE tokenizer and a ChatML template (built with transformers, nothing
+downloaded) -> SFT -> GRPO -> <out_dir>/hf, which transformers loads with our logits; the
+CLI's sample / export / evaluate on such directories; bad directories named."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, clean_env, tiny, tiny_lm_dir
+
+transformers = pytest.importorskip("transformers")
+
+from mini_grpo.checkpoint import CheckpointError, list_checkpoints, load_checkpoint  # noqa: E402
+from mini_grpo.job import train  # noqa: E402
+from mini_grpo.models.hf import load_hf_model  # noqa: E402
+from mini_grpo.run import build_policy  # noqa: E402
+from mini_grpo.tokenizer import HFTokenizer  # noqa: E402
+
+PROMPT = "e2e4 e7e5 g1f3:"
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return tiny_lm_dir(tmp_path_factory.mktemp("models") / "qwen")
+
+
+@pytest.fixture(scope="module")
+def trained(lm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    train(tiny(out, init_from=str(lm), mode="sft_grpo", sft_steps=4, max_steps=2,
+               block_size=256))
+    return out
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "mini_grpo", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, env=clean_env(),
+                          timeout=300)
+
+
+def logits_both(path, ids):
+    """(transformers', ours) logits of ids for the model directory at `path`."""
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ours = load_hf_model(path).eval()
+    with torch.no_grad():
+        return theirs(ids).logits, ours(ids)
+
+
+def test_prompts_go_through_the_chat_template(lm):
+    tok = HFTokenizer.from_dir(lm)
+    theirs = transformers.AutoTokenizer.from_pretrained(lm)
+    user = {"role": "user", "content": PROMPT}
+    for system in ("", "Answer in FEN."):  # a system prompt replaces the template's default
+        tok.configure_chat("auto", system)
+        messages = [{"role": "system", "content": system}, user] if system else [user]
+        want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert want.startswith("<|im_start|>system\n" + (system or "You are"))
+        assert tok.encode_prompt(PROMPT) == theirs(want, add_special_tokens=False).input_ids
+    tok.configure_chat("off", "")
+    assert tok.encode_prompt(PROMPT) == tok.encode(PROMPT, bos=True)
+    with pytest.raises(ValueError, match="system_prompt: needs the chat template"):
+        tok.configure_chat("off", "Answer in FEN.")
+
+
+def test_a_run_from_a_hugging_face_directory_exports_what_transformers_loads(lm, trained):
+    ckpt = load_checkpoint(list_checkpoints(trained / "checkpoints")[-1])
+    assert ckpt["step"] == 2 and ckpt["model_spec"]["family"] == "llama"
+    assert ckpt["model_spec"]["hf_config"]["model_type"] == "qwen2"
+    assert ckpt["tokenizer"]["type"] == "hf"  # the checkpoint carries the BPE tokenizer
+    start = load_hf_model(lm).state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in ckpt["model"].items()), "nothing moved"
+    export = trained / "hf"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["dtype"] == "float32"
+    again = load_hf_model(export).state_dict()
+    for k, v in ckpt["model"].items():  # the final weights, exactly
+        assert torch.equal(again[k], v), k
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    theirs, ours = logits_both(export, ids)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+    # the tokenizer files round-trip: transformers reads what the run started with
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    first = transformers.AutoTokenizer.from_pretrained(lm)
+    text = "e2e4 é ü: <|im_end|>"
+    assert tok(text).input_ids == first(text).input_ids
+    assert tok.chat_template == first.chat_template and tok.eos_token == "<|im_end|>"
+    gen = json.loads((export / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == first.eos_token_id
+
+
+def test_a_run_from_a_hugging_face_directory_resumes(lm, trained):
+    cfg = tiny(trained, init_from=str(lm), mode="grpo", max_steps=3, block_size=256)
+    train(cfg)  # the stored BPE tokenizer equals this run's: no refusal
+    assert load_checkpoint(list_checkpoints(trained / "checkpoints")[-1])["step"] == 3
+
+
+def test_sample_a_hugging_face_directory_as_json_equals_transformers_greedy(lm):
+    r = cli("sample", "--checkpoint", lm, "--prompt", PROMPT, "--greedy", "--json",
+            "--max_new_tokens", 6)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    tok = transformers.AutoTokenizer.from_pretrained(lm)
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                  add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert row == {"prompt": PROMPT, "completion": tok.decode(out[0, ids.size(1):],
+                                                              skip_special_tokens=True)}
+
+
+def test_export_a_checkpoint_in_bfloat16(trained, tmp_path):
+    ckpt = list_checkpoints(trained / "checkpoints")[-1]
+    r = cli("export", "--checkpoint", ckpt, "--output", tmp_path / "bf16", "--dtype",
+            "bfloat16")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    weights = load_checkpoint(ckpt)["model"]
+    again = load_hf_model(tmp_path / "bf16")
+    for k, v in again.state_dict().items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, weights[k].bfloat16()), k
+
+
+def test_bad_model_directories_are_named(lm, tmp_path):
+    import shutil
+
+    def refused(path, needle):
+        with pytest.raises(CheckpointError, match=needle):
+            build_policy(tiny(None, init_from=str(path), block_size=256), None)
+
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", "not a Hugging Face model directory \\(no config.json\\)")
+    bad = shutil.copytree(lm, tmp_path / "bad")
+    (bad / "tokenizer.json").write_text("{not json")
+    refused(bad, "tokenizer.json: cannot load")
+    (bad / "tokenizer.json").unlink()
+    refused(bad, "no tokenizer.json")
+    # and through the entry point: one line, exit 2
+    r = cli("sample", "--checkpoint", tmp_path / "empty", "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'empty'}: not a Hugging Face model directory (no config.json)"]
