@@ -7,6 +7,7 @@
     python benchmark.py --config default --only scaling   # the step section with 1 process,
                                                           # then 2 under torchrun
     python benchmark.py --config default --only ablations # each speed switch flipped alone
+    python benchmark.py --only logits_memory               # chunked LM head: peak memory
     python benchmark.py --compare A.json B.json           # ratios of B over A
 
 Every section builds its run with mini_grpo.run.setup from a copy of the config (overrides
@@ -378,7 +379,7 @@ def cpu_model() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
-    ap.add_argument("--only", choices=[*SECTIONS, "scaling", "ablations"])
+    ap.add_argument("--only", choices=[*SECTIONS, "scaling", "ablations", "logits_memory"])
     ap.add_argument("--budget_s", type=float, default=None,
                     help="seconds the command should take (default 600 on a CPU, none on a "
                          "GPU); 0 = no budget, the full sizes")
@@ -454,6 +455,10 @@ def main(argv=None) -> int:
     if args.only == "scaling":
         result["scaling"] = bench_scaling(args, rest)
         print(format_scaling(result["scaling"]))
+    if args.only == "logits_memory":
+        from mini_grpo.bench_logits import format_logits_memory, logits_memory
+        result["logits_memory"] = logits_memory(device="cpu" if on_cpu else "cuda")
+        print(format_logits_memory(result["logits_memory"]))
     if "rewards" in sections:
         from mini_grpo.rewards.bench import format_reward_table, run_reward_benchmark
         result["rewards"] = run_reward_benchmark(n=p.reward_rows, seed=cfg.seed,

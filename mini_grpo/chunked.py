@@ -66,8 +66,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad = grad.to(h.dtype)  # matmuls in the forward's dtype, like F.linear's backward
                 if need_h:
                     gh[s:e] = grad @ w  # (n, C)
-                if need_w:
-                    gw += grad.T @ h[s:e]  # (V, C), summed over chunks in fp32
+                if need_w and gw.dtype == grad.dtype:  # (V, C), summed over chunks
+                    gw.addmm_(grad.T, h[s:e])  # in place: no (V, C) temporary per chunk
+                elif need_w:
+                    gw += grad.T @ h[s:e]  # bf16/fp16 products summed in fp32
         return gh, None if gw is None else gw.to(w.dtype), None, None, None, None
 
 

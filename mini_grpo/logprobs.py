@@ -6,12 +6,23 @@ sampling (rollout.generate), so the log-probs equal the ones recorded there up t
 
 Log-probs are those of log_softmax(logits / temperature), in fp32, 0 where masked. Entropy is
 a metric: it is computed without autograd, so it never adds a (B, N, V) tensor to the graph.
+The model returns its final hidden states and the LM head runs in chunked.token_logprobs, so
+with a big vocabulary (Qwen: 151k) no more than a bounded chunk of (tokens x V) logits exists
+at once, in the forward or the backward.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .chunked import token_logprobs
+
+
+def head_weight(model) -> torch.Tensor:
+    """The LM head's weight, through a DDP wrapper; the compiled policy and the reference's
+    streamed weights say it themselves (`head_weight()`)."""
+    model = getattr(model, "module", model)  # DDP
+    return model.head_weight() if hasattr(model, "head_weight") else model.lm_head.weight
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -24,12 +35,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """
     if prompt_index is None:
         prompt_index = torch.arange(completion_ids.size(0), device=completion_ids.device)
-    logits = model(completion_ids, prefix=(prompt_ids, prompt_mask, prompt_index))  # (B, N, V)
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, completion_ids[..., None]).squeeze(-1)
-    logp = logp.masked_fill(~completion_mask, 0.0)
+    h = model(completion_ids, prefix=(prompt_ids, prompt_mask, prompt_index), hidden=True)
+    out = token_logprobs(h, head_weight(model), completion_ids, temperature, entropy=entropy)
     if not entropy:
-        return logp
-    with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~completion_mask, 0.0)
-    return logp, ent
+        return out.masked_fill(~completion_mask, 0.0)  # (B, N)
+    logp, ent = out
+    return logp.masked_fill(~completion_mask, 0.0), ent.masked_fill(~completion_mask, 0.0)

@@ -214,6 +214,9 @@ class _CompiledWithFallback(torch.nn.Module):
                               stacklevel=2)
         return self.model(*args, **kwargs)
 
+    def head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
 
 def compile_with_fallback(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
     try:

@@ -26,6 +26,10 @@ class _Streamed(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return functional_call(self.model, self.state, args, kwargs, tie_weights=True)
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight in `state` (stored once, under the embedding, when tied)."""
+        return self.state[self.model.tied_head() or "lm_head.weight"]
+
 
 class Reference:
     def __init__(self, model: torch.nn.Module, device: torch.device, offload: bool = False):
@@ -35,10 +39,9 @@ class Reference:
         if offload:
             self.model.to("cpu")
             pin = device.type == "cuda"  # pinned memory makes the host-to-device copy async
-            # lm_head.weight is tied to wte.weight: copy it once
+            tied = "lm_head.weight" if self.model.tied_head() else None  # copied once
             self.cpu_state = {k: v.pin_memory() if pin else v
-                              for k, v in self.model.state_dict().items()
-                              if k != "lm_head.weight"}
+                              for k, v in self.model.state_dict().items() if k != tied}
         else:
             self.model.to(device)
 

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import distributed as D
 from .checkpoint import latest_checkpoint, save_checkpoint
+from .chunked import token_logprobs
 from .config import ConfigError, load_config
 from .data import batch_indices, sft_batch, shard
 from .guards import Guard, NonFiniteError, params_finite
+from .logprobs import head_weight
 from .optim import lr_at, make_optimizer, set_lr
 
 # the options that shape a trained stage: a stage saved with others is not reused. The RFT
@@ -137,6 +138,7 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
 def sft_loss(net, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
     """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
     shares up to one row."""
-    with autocast():
-        logits = net(x)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1)
+    keep = y >= 0
+    with autocast():  # the LM head in chunks: a big vocabulary never holds (B, T, V) logits
+        logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0))
+    return -(logp * keep).sum() / keep.sum().clamp(min=1)

@@ -117,8 +117,12 @@ def test_global_normalisers_make_micro_batches_sum_to_the_whole():
 def test_logprobs_and_entropy_of_uniform_logits():
     # a model whose logits are all 0 over 4 tokens: logp = -ln 4, entropy = ln 4 (0 if masked)
     class Flat(torch.nn.Module):
-        def forward(self, idx, prefix):
-            return torch.zeros(*idx.shape, 4, requires_grad=True)
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(3, 4, bias=False)
+
+        def forward(self, idx, prefix, hidden):  # hidden states of zeros: logits of zeros
+            return torch.zeros(*idx.shape, 3, requires_grad=True)
 
     pids, pm = torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool)
     cids, cm = torch.tensor([[0, 3]]), torch.tensor([[True, False]])

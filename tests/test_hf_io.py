@@ -115,3 +115,17 @@ def test_our_gpt_saved_as_gpt2_loads_in_transformers_with_the_same_logits(tmp_pa
     again = load_hf_model(path).eval()  # and back
     for (k, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_an_untied_gpt2_keeps_its_own_head(tmp_path):
+    hf, path = tiny_gpt2(tmp_path, tie_word_embeddings=False)
+    ours = load_hf_model(path).eval()
+    assert ours.lm_head.weight is not ours.wte.weight
+    idx = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=0, atol=2e-5)
+    from mini_grpo.models.hf import save_hf
+
+    again = transformers.GPT2LMHeadModel.from_pretrained(save_hf(ours, tmp_path / "out"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(idx).logits, hf(idx).logits, rtol=0, atol=0)

@@ -97,7 +97,9 @@ def test_a_run_from_a_hugging_face_directory_resumes(lm, trained):
     assert load_checkpoint(list_checkpoints(trained / "checkpoints")[-1])["step"] == 3
 
 
-def test_sample_a_hugging_face_directory_as_json_equals_transformers_greedy(lm):
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gpt2"])
+def test_sample_a_hugging_face_directory_as_json_equals_transformers_greedy(tmp_path, family):
+    lm = tiny_lm_dir(tmp_path / family, family)
     r = cli("sample", "--checkpoint", lm, "--prompt", PROMPT, "--greedy", "--json",
             "--max_new_tokens", 6)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -110,6 +112,20 @@ def test_sample_a_hugging_face_directory_as_json_equals_transformers_greedy(lm):
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert row == {"prompt": PROMPT, "completion": tok.decode(out[0, ids.size(1):],
                                                               skip_special_tokens=True)}
+
+
+def test_the_main_jobs_character_tokenizer_exports_as_one_transformers_reads(tmp_path):
+    from mini_grpo.tasks.chess_fen import ALPHABET
+    from mini_grpo.tokenizer import CharTokenizer
+
+    ours = CharTokenizer(ALPHABET)
+    ours.save_pretrained(tmp_path / "tok")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    text = "e2e4 e7e5: rnbqkbnr/pppp1ppp/8/4p3/4P3/8/PPPP1PPP/RNBQKBNR w KQkq - 0 2 ~"
+    assert theirs(text).input_ids == ours.encode(text, bos=True)  # ~ is <unk> in both
+    ids = ours.encode(text, eos=True)
+    assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids).replace("?", "")
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_id, ours.pad_id)
 
 
 def test_export_a_checkpoint_in_bfloat16(trained, tmp_path):

@@ -11,10 +11,12 @@ PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13, 14]]
 
 
 def boost_eos(m, amount):
-    """Adds `amount` to the EOS logit of every forward pass."""
-    bias = torch.zeros(m.cfg.vocab_size)
-    bias[EOS] = amount
-    m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    """Adds `amount` to the EOS logit of every forward pass (the sampler's and the log-prob
+    pass's, whose LM head is a matmul of its own): the final norm's bias moves along EOS's
+    row of the head, which moves the other logits a little too."""
+    w = m.lm_head.weight[EOS].detach()
+    with torch.no_grad():
+        m.ln_f.bias += amount * w / w.dot(w)
 
 
 def test_ragged_batch_greedy_equals_each_prompt_alone():

@@ -258,5 +258,12 @@ class CausalLM(nn.Module):
         x = self.norm_f(torch.cat([last, x[U * P:].view(B, m, x.size(-1))], 1))  # (B, N, C)
         return x if hidden else self.lm_head(x)
 
+    def tied_head(self) -> str | None:
+        """The name of the embedding whose weight the LM head shares, if it does."""
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if name != "lm_head.weight" and p is self.lm_head.weight:
+                return name
+        return None
+
     def num_params(self, non_embedding: bool = True) -> int:
         return sum(p.numel() for p in self.parameters())

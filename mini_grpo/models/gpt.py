@@ -24,6 +24,7 @@ class GPTConfig:
     activation: str = "gelu"  # gelu (exact) | gelu_new (tanh approximation, GPT-2)
     layer_norm_epsilon: float = 1e-5
     n_inner: int | None = None  # MLP width; None = 4 * n_embd
+    tie_word_embeddings: bool = True  # the LM head shares the token embedding's weight
 
 
 class CausalSelfAttention(Attention):
@@ -80,7 +81,8 @@ class GPT(CausalLM):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth

@@ -13,7 +13,8 @@ the weights it comes with). Missing, unexpected or mismatched weights are named 
 few). Nothing is downloaded: fetch a model with the hub's own CLI first, then point here.
 
 GPT-2 in our GPT: Conv1D weights are stored (in, out) and are transposed to Linear's
-(out, in); `gelu_new` is the tanh GELU; the LM head is tied to the token embedding.
+(out, in); `gelu_new` is the tanh GELU; the LM head is tied to the token embedding unless
+`tie_word_embeddings` is false.
 The Llama family: our names are theirs without the "model." prefix.
 """
 
@@ -84,7 +85,8 @@ def gpt2_config(config: dict) -> GPTConfig:
                      n_layer=_int(config, "n_layer"), n_head=n_head, n_embd=n_embd,
                      activation="gelu" if act == "gelu" else "gelu_new",
                      layer_norm_epsilon=_float(config, "layer_norm_epsilon", 1e-5, hi=1),
-                     n_inner=None if n_inner is None else _int(config, "n_inner"))
+                     n_inner=None if n_inner is None else _int(config, "n_inner"),
+                     tie_word_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
 def _rope(config: dict) -> tuple[float, dict]:
@@ -166,10 +168,12 @@ def _ours(family: str, name: str) -> str | None:
 
 
 def _theirs(family: str, name: str) -> str:
+    if name == "lm_head.weight":
+        return name
     if family == "gpt":
         return "transformer." + (name.replace("blocks.", "h.", 1)
                                  if name.startswith("blocks.") else name)
-    return name if name == "lm_head.weight" else "model." + name
+    return "model." + name
 
 
 def _check_sizes(spec: dict, shapes: dict, path: Path) -> None:
@@ -235,7 +239,7 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
     _check_sizes(spec, shapes, path)
     with torch.device("meta"):  # sizes now bounded by the file's own tensors
         model = build(spec)
-    tied = _tied(model)
+    tied = model.tied_head()
     if tied and "lm_head.weight" not in shapes:
         shapes["lm_head.weight"] = shapes.get(tied)  # stored once
     check_shapes({k: v.shape for k, v in model.state_dict().items()},
@@ -256,14 +260,6 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
         model.lm_head.weight = model.get_parameter(tied)
     model.hf_config = config
     return model
-
-
-def _tied(model: CausalLM) -> str | None:
-    """The name of the embedding the LM head shares its weight with, if it does."""
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name != "lm_head.weight" and p is model.lm_head.weight:
-            return name
-    return None
 
 
 def export_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
@@ -295,7 +291,8 @@ def _new_config(model: CausalLM) -> dict:
                 "vocab_size": c.vocab_size, "n_positions": c.block_size,
                 "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
                 "n_head": c.n_head, "n_inner": c.n_inner, "activation_function": c.activation,
-                "layer_norm_epsilon": c.layer_norm_epsilon, "tie_word_embeddings": True,
+                "layer_norm_epsilon": c.layer_norm_epsilon,
+                "tie_word_embeddings": c.tie_word_embeddings,
                 "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout}
     kind = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.o_bias else "llama"
     # what each model_type can say: llama/qwen3 one attention_bias for q, k, v and o, qwen2
@@ -323,7 +320,7 @@ def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
     directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
-    path, family, tied = Path(path), model.family, _tied(model)
+    path, family, tied = Path(path), model.family, model.tied_head()
     state = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and tied:  # stored once, as the embedding
