@@ -87,8 +87,10 @@ def evaluate_main(argv: list[str]) -> int:
         with setup(cfg, checkpoint=state, log=False) as run:
             result = {mode: evaluate(run, greedy=mode == "greedy", seed=cfg.seed)
                       for mode in ("greedy", "sampled")}
-            print(f"checkpoint {args.checkpoint} ({state.get('kind')} step "
-                  f"{state.get('step')}), {len(run.task.eval)} held-out prompts")
+            what = "Hugging Face model" if state is None else \
+                f"{state.get('kind')} step {state.get('step')}"
+            print(f"checkpoint {args.checkpoint} ({what}), {len(run.task.eval)} held-out "
+                  f"prompts")
         print(format_table(result))
         if args.json:
             with open(args.json, "w") as f:

@@ -1,10 +1,11 @@
 """Run by tests/test_distributed.py twice: as plain `python` (one process, the whole batch) and
 under `torchrun --standalone --nproc_per_node=2` (each rank half the prompts, DDP).
 
-For one fixed rollout batch and each case (loss aggregation x reward scaling x passes), it
-computes the gradient with the trainer's own functions (advantages with the global
-normalisers, the micro-batch plan, policy_pass); rank 0 saves {case: [grad per parameter]}
-to argv[1] for the test to compare.
+For one fixed rollout batch and each case (loss aggregation x reward scaling x passes, on our
+GPT, and two cases on a Llama-family model with an untied head, which the chunked log-prob
+pass uses outside DDP's forward), it computes the gradient with the trainer's own functions
+(advantages with the global normalisers, the micro-batch plan, policy_pass); rank 0 saves
+{case: [grad per parameter]} to argv[1] for the test to compare.
 """
 
 import gc
@@ -14,7 +15,7 @@ import torch
 
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
-from mini_grpo.models import GPT, GPTConfig
+from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.rollout import Rollout, micro_batches, pad_left
 from mini_grpo.trainer import advantages, policy_pass
 
@@ -63,23 +64,26 @@ def main(out_path: str) -> None:
     W = dist.world_size
     mine = slice(dist.rank * PROMPTS * G // W, (dist.rank + 1) * PROMPTS * G // W)
     grads = {}
-    for agg in ("grpo", "dapo", "dr_grpo"):
-        for scale in ("group", "batch"):
-            for iters in (1, 2):
-                cfg = load_config(None, {"loss_agg": agg, "scale_rewards": scale,
-                                         "num_iterations": iters, "micro_batch_size": 3,
-                                         "beta": 0.1, "group_size": G, "max_new_tokens": N,
-                                         "use_amp": False, "epsilon_high": 0.28}, env={})
-                torch.manual_seed(0)
-                model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2,
-                                      n_embd=32))
-                r, rewards, ref_lp = make_batch(seed=1)
-                net, _ = D.wrap_ddp(model, torch.device("cpu"))
-                gradient(net, take(r, mine), rewards[mine], ref_lp[mine], cfg, W)
-                del net  # its reducer must not outlive the process group (abort at exit)
-                gc.collect()
-                grads[f"{agg}/{scale}/iters{iters}"] = [p.grad.clone()
-                                                        for p in model.parameters()]
+    cases = [("gpt", agg, scale, iters) for agg in ("grpo", "dapo", "dr_grpo")
+             for scale in ("group", "batch") for iters in (1, 2)]
+    cases += [("llama", "dapo", "group", iters) for iters in (1, 2)]
+    for family, agg, scale, iters in cases:
+        cfg = load_config(None, {"loss_agg": agg, "scale_rewards": scale,
+                                 "num_iterations": iters, "micro_batch_size": 3,
+                                 "beta": 0.1, "group_size": G, "max_new_tokens": N,
+                                 "use_amp": False, "epsilon_high": 0.28}, env={})
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32)) \
+            if family == "gpt" else Llama(LlamaConfig(
+                vocab_size=24, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                head_dim=8, n_inner=48))
+        r, rewards, ref_lp = make_batch(seed=1)
+        net, _ = D.wrap_ddp(model, torch.device("cpu"))
+        gradient(net, take(r, mine), rewards[mine], ref_lp[mine], cfg, W)
+        del net  # its reducer must not outlive the process group (abort at exit)
+        gc.collect()
+        grads[f"{family}/{agg}/{scale}/iters{iters}"] = [p.grad.clone()
+                                                         for p in model.parameters()]
     if dist.is_main:
         torch.save(grads, out_path)
     D.cleanup()

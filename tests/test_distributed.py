@@ -24,7 +24,7 @@ def test_two_ranks_compute_the_single_process_gradient(tmp_path):
     r = torchrun(worker, str(tmp_path / "two.pt"))
     assert r.returncode == 0, r.stderr[-3000:]
     single, ddp = (torch.load(tmp_path / f"{n}.pt") for n in ("one", "two"))
-    assert len(single) == 12  # 3 aggregations x 2 reward scalings x 1-2 passes
+    assert len(single) == 14  # 3 aggregations x 2 reward scalings x 1-2 passes, + 2 Llama
     for case in single:
         assert any(g.abs().max() > 0 for g in single[case]), case  # a real gradient
         d = max((a - b).abs().max().item() for a, b in zip(single[case], ddp[case]))

@@ -158,3 +158,10 @@ def test_bad_model_directories_are_named(lm, tmp_path):
     r = cli("sample", "--checkpoint", tmp_path / "empty", "--prompt", "x")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'empty'}: not a Hugging Face model directory (no config.json)"]
+
+
+def test_evaluate_a_hugging_face_directory(lm):
+    r = cli("evaluate", "--checkpoint", lm, "--num_eval=4", "--task_args.num_train=64",
+            "--max_new_tokens=8", "--block_size=256", "--reward_executor=serial")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"checkpoint {lm}" in r.stdout and "4 held-out prompts" in r.stdout
