@@ -60,6 +60,8 @@ class GRPOConfig:
     reward_on_error: float = 0.0  # reward given to rows whose plugin failed
     reward_timeout: float = 30.0  # seconds per plugin call before it counts as failed
     reward_max_fail_frac: float = 0.5  # stop the run when more rows of one plugin fail
+    # async plugins: rows of `per_sample` ones in flight at once (requests to a verifier)
+    reward_concurrency: int = 16
 
     # ---- model ----
     # our GPT's shape, for runs from scratch (init_from names its own model)
@@ -166,6 +168,7 @@ class GRPOConfig:
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
+                    "reward_concurrency",
                     "dist_timeout", "guard_patience", "rft_oversample",
                     "rft_prompts_per_batch", "temperature"]
         for name in positive:

@@ -15,7 +15,10 @@ one call, run one at a time in a helper thread (serial), in `workers` threads (t
 `workers` processes (process). The chunks are the same for the three executors, so they give
 identical results, failures included. python-chess scorers are pure Python and hold the GIL:
 threads only suit scorers that wait on I/O, processes give real parallelism (docs/rewards.md
-has the figures). Plugins get copies of the rows' metadata, so they cannot change the dataset.
+has the figures). The async plugins of a batch are one job instead: a call per plugin on all
+rows, run concurrently in one event loop (in a helper thread, or in one worker process);
+their `per_sample` rows run at most `concurrency` at a time. Plugins get copies of the rows'
+metadata, so they cannot change the dataset.
 
 Processes are started with 'spawn', not fork: forking a trainer that runs torch and CUDA
 threads can deadlock. Spawn sends plugins by reference, so they must be module-level
@@ -28,6 +31,7 @@ run) is retried one row at a time in the same worker, so only the rows that rais
 call that returns the wrong number of values, or a dict, set or string, fails all its rows;
 NaN, Inf, None or non-numbers fail just their rows. A call counts as hung when no call of the
 batch finishes for `timeout` seconds; its rows fail and the rest of the batch still scores.
+An async call is cancelled at its own timeout, so a hung one never outlives its batch.
 What happens to the hung call depends on the executor:
   process  its worker processes are killed and the pool restarts: the call is really stopped.
   serial, thread  a thread cannot be killed, so the call is abandoned: it keeps running (and
@@ -40,6 +44,7 @@ raises RewardError with that plugin's first error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import pickle
@@ -55,6 +60,7 @@ import numpy as np
 
 from mini_grpo.config import ConfigError
 from mini_grpo.rewards import resolve_reward
+from mini_grpo.rewards.registry import ROW_SLOTS, is_async
 
 log = logging.getLogger("mini_grpo.scoring")
 
@@ -138,6 +144,40 @@ def _call_by_row(fn, lo: int, prompts, completions, targets, metas):
     return arr, first_err
 
 
+async def _acall(fn, lo: int, prompts, completions, targets, metas, timeout: float):
+    """_call for an async plugin, cancelled after `timeout` seconds."""
+    t0, hi = time.perf_counter(), lo + len(completions)
+    try:
+        values = await asyncio.wait_for(fn(prompts, completions, targets, metas), timeout)
+        arr, err = _as_rewards(values, len(completions), lo)
+    except KeyboardInterrupt:
+        raise
+    except TimeoutError:
+        arr, err = None, f"call on rows {lo}..{hi - 1} did not finish within the " \
+                         f"{timeout:g} s timeout"
+    except BaseException:
+        arr, err = None, traceback.format_exc()
+        if len(completions) > 1:  # rows retried alone, concurrently
+            rows = await asyncio.gather(*(_acall(fn, lo + i, prompts[i:i + 1],
+                                                 completions[i:i + 1], targets[i:i + 1],
+                                                 metas[i:i + 1], timeout)
+                                          for i in range(len(completions))))
+            arr = np.array([np.nan if r[0] is None else r[0][0] for r in rows])
+            errs = [(lo + i, r[2]) for i, r in enumerate(rows) if r[2] is not None]
+            err = errs and f"row {errs[0][0]}, retried alone after the call on rows " \
+                           f"{lo}..{hi - 1} raised:\n{errs[0][1]}" or None
+    return arr, time.perf_counter() - t0, err
+
+
+def _call_async(calls: list, timeout: float, concurrency: int) -> list:
+    """[(fn, lo, prompts, completions, targets, metas)] -> their _call results, run
+    concurrently in one event loop of this thread."""
+    async def run_all():
+        ROW_SLOTS.set(asyncio.Semaphore(concurrency))
+        return await asyncio.gather(*(_acall(*c, timeout) for c in calls))
+    return asyncio.run(run_all())
+
+
 _worker_fns: list = []  # this worker process's plugins, set once by _init_worker
 
 
@@ -146,7 +186,11 @@ def _init_worker(fns: list) -> None:
 
 
 def _call_in_worker(index: int, lo: int, *rows):
-    return _call(_worker_fns[index], lo, *rows)
+    return [_call(_worker_fns[index], lo, *rows)]
+
+
+def _call_async_in_worker(calls: list, timeout: float, concurrency: int) -> list:
+    return _call_async([(_worker_fns[i], *rest) for i, *rest in calls], timeout, concurrency)
 
 
 def _ready() -> bool:
@@ -202,7 +246,8 @@ class RewardScorer:
     """Weighted reward plugins over one executor; names resolve (and pools start) at once."""
 
     def __init__(self, specs: list[dict], executor: str = "serial", workers: int = 2,
-                 on_error: float = 0.0, timeout: float = 30.0, max_fail_frac: float = 0.5):
+                 on_error: float = 0.0, timeout: float = 30.0, max_fail_frac: float = 0.5,
+                 concurrency: int = 16):
         if executor not in EXECUTORS:
             raise ConfigError(f"reward_executor: must be one of {', '.join(EXECUTORS)}, "
                               f"got {executor!r}")
@@ -212,6 +257,7 @@ class RewardScorer:
             raise ConfigError("rewards: no reward plugins configured")
         self.executor, self.workers, self.on_error = executor, workers, float(on_error)
         self.timeout, self.max_fail_frac = float(timeout), float(max_fail_frac)
+        self.concurrency = concurrency
         self.keys: list[str] = []  # column and metric names: the name after any "module:"
         self.weights: list[float] = []
         self.fns: list = []
@@ -230,6 +276,7 @@ class RewardScorer:
             self.keys.append(key)
             self.weights.append(float(spec.get("weight", 1.0)))
             self.fns.append(fn)
+        self.is_async = [is_async(fn) for fn in self.fns]
         self.failure_counts = dict.fromkeys(self.keys, 0)  # rows failed since start, per plugin
         self._logged: set[str] = set()
         self._slots = 1 if executor == "serial" else workers  # calls that run at once
@@ -241,7 +288,8 @@ class RewardScorer:
         """cfg.rewards, else the task's defaults, run on cfg.reward_executor."""
         return cls(cfg.rewards or task.default_rewards, executor=cfg.reward_executor,
                    workers=cfg.num_reward_workers, on_error=cfg.reward_on_error,
-                   timeout=cfg.reward_timeout, max_fail_frac=cfg.reward_max_fail_frac)
+                   timeout=cfg.reward_timeout, max_fail_frac=cfg.reward_max_fail_frac,
+                   concurrency=cfg.reward_concurrency)
 
     # ---- pools ----
 
@@ -296,8 +344,13 @@ class RewardScorer:
         t0 = time.perf_counter()
         edges = [n * i // self.workers for i in range(self.workers + 1)]
         chunks = [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
-        calls = [(p, lo, hi) for p in range(len(self.fns)) for lo, hi in chunks]
-        outs = self._run(calls, (prompts, completions, targets, metas))
+        calls = [(p, lo, hi) for p in range(len(self.fns)) if not self.is_async[p]
+                 for lo, hi in chunks]
+        jobs = [[i] for i in range(len(calls))]
+        if any(self.is_async):  # one job: every async plugin on all rows, concurrently
+            jobs.append(list(range(len(calls), len(calls) + sum(self.is_async))))
+            calls += [(p, 0, n) for p in range(len(self.fns)) if self.is_async[p]]
+        outs = self._run(calls, jobs, (prompts, completions, targets, metas))
 
         cols = [np.full(n, np.nan) for _ in self.fns]
         seconds = [0.0] * len(self.fns)
@@ -341,45 +394,60 @@ class RewardScorer:
                         "are only counted (reward/%s/failures). First error:\n%s",
                         key, nfail, n, self.on_error, key, err)
 
-    def _run(self, calls, rows):
+    def _run(self, calls, jobs, rows):
+        """Runs each job (a list of calls) on the pool: one result per call, in order."""
         outs: list = [None] * len(calls)
-        todo = list(range(len(calls)))
+        todo = list(range(len(jobs)))
         while todo:
             if self._pool is None:
                 self._start_pool()
-            futures = {self._submit(*calls[i], rows): i for i in todo}
+            futures = {self._submit([calls[i] for i in jobs[j]], rows): j for j in todo}
             pending, broken = list(futures), False
             try:
                 while pending:
-                    done, _ = wait(pending, timeout=self.timeout, return_when=FIRST_COMPLETED)
+                    # an async job cancels its own calls at `timeout`: give it time to report
+                    slack = any(self.is_async[calls[jobs[futures[f]][0]][0]] for f in pending)
+                    limit = self.timeout * (1.5 if slack else 1.0) + (1.0 if slack else 0.0)
+                    done, _ = wait(pending, timeout=limit, return_when=FIRST_COMPLETED)
                     if not done:
                         break
                     for f in done:
+                        job = jobs[futures[f]]
                         try:
-                            outs[futures[f]] = f.result()
+                            for i, out in zip(job, f.result()):
+                                outs[i] = out
                         except Exception as e:  # a worker process died (crash, os._exit, OOM)
-                            outs[futures[f]] = (None, 0.0, f"reward worker failed: {e!r}")
+                            for i in job:
+                                outs[i] = (None, 0.0, f"reward worker failed: {e!r}")
                             broken = True
                     pending = [f for f in pending if f not in done]
             except BaseException:  # Ctrl-C: drop this batch's calls, so the next one starts clean
                 self._discard_pool()
                 raise
-            # Nothing finished for `timeout` seconds: the oldest unfinished calls are the running
+            # Nothing finished for `timeout` seconds: the oldest unfinished jobs are the running
             # ones (every pool starts work in submission order), so those hang.
             for f in pending[:self._slots]:
-                p, lo, hi = calls[futures[f]]
-                outs[futures[f]] = (None, self.timeout, f"call on rows {lo}..{hi - 1} did not "
-                                    f"finish within the {self.timeout:g} s timeout")
+                for i in jobs[futures[f]]:
+                    p, lo, hi = calls[i]
+                    outs[i] = (None, self.timeout, f"call on rows {lo}..{hi - 1} did not "
+                               f"finish within the {self.timeout:g} s timeout")
             if pending or broken:
                 self._discard_pool()
             todo = [futures[f] for f in pending[self._slots:]]
         return outs
 
-    def _submit(self, p: int, lo: int, hi: int, rows):
-        prompts, completions, targets, metas = (r[lo:hi] for r in rows)
+    def _submit(self, job: list, rows):
+        """One job on the pool: a sync plugin's call, or the batch's async calls together."""
+        args = [(p, lo, *(r[lo:hi] for r in rows)) for p, lo, hi in job]
         if self.executor == "process":  # pickling gives the worker its own copy of the rows
-            return self._pool.submit(_call_in_worker, p, lo, prompts, completions, targets, metas)
+            if self.is_async[job[0][0]]:
+                return self._pool.submit(_call_async_in_worker, args, self.timeout,
+                                         self.concurrency)
+            return self._pool.submit(_call_in_worker, *args[0])
         # the same deep copy a worker process gets, so that a plugin cannot change the dataset
         # or what the next plugin sees (pickle: 6x faster than copy.deepcopy on small dicts)
-        metas = pickle.loads(pickle.dumps(metas))
-        return self._pool.submit(_call, self.fns[p], lo, prompts, completions, targets, metas)
+        args = [(self.fns[p], lo, prompts, completions, targets, pickle.loads(pickle.dumps(m)))
+                for p, lo, prompts, completions, targets, m in args]
+        if self.is_async[job[0][0]]:
+            return self._pool.submit(_call_async, args, self.timeout, self.concurrency)
+        return self._pool.submit(lambda a: [_call(*a)], args[0])

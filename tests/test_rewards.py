@@ -189,7 +189,7 @@ def test_unknown_name_lists_available():
     ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
     ("mini_grpo.rewards.text:nothing", "has no attribute 'nothing'"),
     ("mini_grpo.rewards.fen:DELTA_PLACEMENT_WEIGHT", "not callable"),
-    ("mini_grpo.rewards.fen:board_delta_one", "must accept"),
+    ("mini_grpo.rewards.fen:board_delta_one", "fits none of the accepted shapes: fn\\(prompts"),
 ])
 def test_bad_module_paths(name, message):
     with pytest.raises(ConfigError, match=message):

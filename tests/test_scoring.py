@@ -176,10 +176,10 @@ def test_from_config_reads_only_the_reward_fields():
     # no parallel_rewards: the config maps that legacy switch to reward_executor itself
     cfg = SimpleNamespace(rewards=[{"name": "exact_match"}], reward_executor="thread",
                           num_reward_workers=3, reward_on_error=-1.0, reward_timeout=2.0,
-                          reward_max_fail_frac=0.25)
+                          reward_max_fail_frac=0.25, reward_concurrency=5)
     with RewardScorer.from_config(cfg, task=None) as scorer:
         assert (scorer.executor, scorer.workers, scorer.on_error, scorer.timeout,
-                scorer.max_fail_frac) == ("thread", 3, -1.0, 2.0, 0.25)
+                scorer.max_fail_frac, scorer.concurrency) == ("thread", 3, -1.0, 2.0, 0.25, 5)
 
 
 def test_serial_thread_process_identical_on_ten_thousand_completions():
