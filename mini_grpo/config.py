@@ -105,6 +105,8 @@ class GRPOConfig:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    # rows that hit max_new_tokens without EOS carry no loss (DAPO); see overlong_penalty
+    mask_truncated: bool = False
 
     # ---- SFT warm start ----
     # the task is compute-bound: 1000 steps (5.7 min at ~24k tok/s under bf16) reached 18%

@@ -44,7 +44,9 @@ def evaluate(run, greedy: bool, seed: int = 0, batch_size: int = 256, amp: bool 
         lengths += r.completion_mask.sum(1).tolist()
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
-    res = run.scorer.score(prompts, texts, targets, [ex.meta for ex in examples])
+    res = run.scorer.score(prompts, texts, targets, [
+        {**ex.meta, "completion_tokens": int(n), "max_new_tokens": cfg.max_new_tokens}
+        for ex, n in zip(examples, lengths)])
     columns = {"exact": np.asarray(exact_match(prompts, texts, targets, []), dtype=float)}
     if task.eval_columns is not None:
         columns.update(task.eval_columns(examples, texts))

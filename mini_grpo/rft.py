@@ -29,7 +29,7 @@ import torch
 
 from . import distributed as D
 from .data import shard
-from .rollout import sample
+from .rollout import sample, scored_metas
 
 
 def first_prompts(examples: list, n: int) -> list:
@@ -92,7 +92,8 @@ def generate_rft_data(run, examples, output: str | Path) -> dict:
                 r = sample(model, tok, rows, cfg.max_new_tokens, temperature=cfg.temperature,
                            top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)
             exs = [first[p] for p in rows]
-            res = scorer.score(rows, r.texts, [ex.target for ex in exs], [ex.meta for ex in exs])
+            res = scorer.score(rows, r.texts, [ex.target for ex in exs],
+                               scored_metas([ex.meta for ex in exs], r, cfg.max_new_tokens))
             lines = []
             for j, p in enumerate(batch):
                 cand = {}  # distinct completions of this prompt -> row index

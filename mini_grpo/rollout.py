@@ -151,6 +151,14 @@ def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, pad_id):
     return logits[rows]
 
 
+def scored_metas(metas: list[dict], r: Rollout, max_new_tokens: int) -> list[dict]:
+    """The rows' metadata for the reward scorer, with what sampling knows of each completion:
+    `completion_tokens` (its length) and `max_new_tokens` (the cap it may have hit)."""
+    lengths = r.completion_mask.sum(1).tolist()
+    return [{**m, "completion_tokens": int(n), "max_new_tokens": max_new_tokens}
+            for m, n in zip(metas, lengths)]
+
+
 def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
            **kw) -> Rollout:
     """Text in, Rollout with decoded `texts` out; prompts are encoded as the tokenizer

@@ -37,7 +37,7 @@ from .grpo import group_advantages, grpo_loss
 from .guards import Guard, params_finite
 from .logprobs import completion_logprobs
 from .optim import lr_at, make_optimizer, set_lr
-from .rollout import micro_batches, sample
+from .rollout import micro_batches, sample, scored_metas
 
 
 def train_grpo(run, resume: dict | None = None) -> None:
@@ -83,10 +83,10 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # ---- rewards and advantages (normalisers of the global batch)
         t0 = time.perf_counter()
         res = run.scorer.score([ex.prompt for ex in rows], r.texts, [ex.target for ex in rows],
-                               [ex.meta for ex in rows])
+                               scored_metas([ex.meta for ex in rows], r, cfg.max_new_tokens))
         rewards = torch.tensor(res.total, dtype=torch.float32, device=device)
         times["reward"] = time.perf_counter() - t0
-        batch = advantages(rewards, r.completion_mask, cfg)
+        batch = advantages(rewards, r.completion_mask, cfg, r.finished)
 
         # ---- reference log-probs (beta = 0 skips the reference entirely)
         t0 = time.perf_counter()
@@ -167,15 +167,21 @@ class Batch:
     num_tokens: torch.Tensor  # completion tokens that carry loss (>= 1)
 
 
-def advantages(rewards: torch.Tensor, cmask: torch.Tensor, cfg) -> Batch:
+def advantages(rewards: torch.Tensor, cmask: torch.Tensor, cfg,
+               finished: torch.Tensor | None = None) -> Batch:
     """Group advantages and, in one all-reduce, the counts and reward moments of the global
-    batch, so N ranks normalise exactly as one process holding the whole batch would."""
+    batch, so N ranks normalise exactly as one process holding the whole batch would.
+    `finished` (B,): rows that ended with EOS; with mask_truncated the others carry no loss
+    (their rewards still shape their group's advantages)."""
     G = cfg.group_size
     r = rewards.view(-1, G)
     zero = r.max(1).values == r.min(1).values
     if cfg.dynamic_sampling:  # zero-spread groups carry no signal: leave them out
         cmask = cmask & (~zero).repeat_interleave(G)[:, None]
-    n_seqs = cmask.any(1).sum() if cfg.dynamic_sampling else torch.tensor(len(rewards))
+    if cfg.mask_truncated and finished is not None:  # DAPO: cut-off rows teach nothing
+        cmask = cmask & finished[:, None]
+    n_seqs = cmask.any(1).sum() if cfg.dynamic_sampling or cfg.mask_truncated else \
+        torch.tensor(len(rewards))
     n, s1, s2, seqs, tokens = D.all_reduce_sum(torch.stack([
         torch.tensor(float(len(rewards)), device=rewards.device), rewards.sum(),
         rewards.square().sum(), n_seqs.to(rewards.device).float(), cmask.sum().float()]))
@@ -227,6 +233,7 @@ def step_metrics(r, res, batch: Batch, acc, cfg, times: dict, seconds: float) ->
     """The step's metrics over all ranks, from one collective (D.reduce_named)."""
     lengths = r.completion_mask.sum(1).float()
     sums = {"acc": acc, "len": lengths.sum(), "zero": batch.zero.float().sum(),
+            "truncated": (~r.finished).float().sum(),
             "groups": float(batch.zero.numel()), "prompt_tokens": r.prompt_mask.sum().float()}
     for k, col in res.columns.items():  # per plugin, over all ranks' rows
         col = torch.as_tensor(col, dtype=torch.float64)
@@ -240,6 +247,7 @@ def step_metrics(r, res, batch: Batch, acc, cfg, times: dict, seconds: float) ->
          "clip_high": acc[3] / tok, "ratio": acc[4] / tok, "entropy": acc[5] / tok,
          "completion_len/mean": red["len"] / n, "completion_len/max": red["len_max"],
          "zero_spread_frac": red["zero"] / red["groups"], "tokens_per_s": red["len"] / seconds,
+         "truncated_frac": red["truncated"] / n,  # rows that hit max_new_tokens without EOS
          # per policy pass: token positions through the model (padding included), and
          # the real tokens among them (each prompt counted once per group)
          "tokens/processed": acc[6] / iters, "tokens/unique": acc[7] / iters,

@@ -1,4 +1,4 @@
-"""Task-agnostic string rewards: exact_match and levenshtein."""
+"""Task-agnostic rewards: exact_match, levenshtein, and overlong_penalty (DAPO)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,20 @@ def levenshtein(prompts, completions, targets, metas):
     sim = process.cpdist(completions, targets, scorer=Levenshtein.normalized_similarity,
                          dtype=np.float64, workers=1)
     return sim.tolist()
+
+
+@register("overlong_penalty")
+def overlong_penalty(prompts, completions, targets, metas):
+    """DAPO's soft overlong punishment, from the lengths sampling records in each row's
+    metadata (`completion_tokens`, `max_new_tokens`): 0 up to max_new_tokens - buffer tokens,
+    then linearly down to -1 at max_new_tokens, buffer = max_new_tokens // 5 (DAPO: 4k of
+    20k). Rows without those fields (a trivial baseline's answers) get 0."""
+    out = []
+    for m in metas:
+        n, cap = m.get("completion_tokens"), m.get("max_new_tokens")
+        if not isinstance(n, int) or not isinstance(cap, int) or cap <= 0:
+            out.append(0.0)
+            continue
+        buffer = max(1, cap // 5)
+        out.append(min(0.0, (cap - buffer - n) / buffer))
+    return out
