@@ -29,7 +29,7 @@ def shard(items: list, rank: int, world_size: int) -> list:
     return items[rank * n // world_size:(rank + 1) * n // world_size]
 
 
-def sft_batch(tok: Tokenizer, pairs: list[tuple[str, str]], device=None):
+def sft_batch(tok: Tokenizer, pairs: list[tuple[str | list[dict], str]], device=None):
     """(prompt, target) pairs -> (idx (B, T), targets (B, T)), right-padded.
 
     The model reads BOS + prompt + target and is trained to predict target + EOS only:

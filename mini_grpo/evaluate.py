@@ -37,7 +37,7 @@ def evaluate(run, greedy: bool, seed: int = 0, batch_size: int = 256, amp: bool 
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         with run.precision.autocast(generation=True, enabled=amp):
-            r = sample(run.model, run.tok, [ex.prompt for ex in chunk], cfg.max_new_tokens,
+            r = sample(run.model, run.tok, [ex.model_input for ex in chunk], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        greedy=greedy, generator=gen)
         texts += r.texts

@@ -55,6 +55,11 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _prompt(row: dict) -> str:
+    """A written row's prompt text (a chat row's: its last message)."""
+    return row["prompt"] if "prompt" in row else row["messages"][-1]["content"]
+
+
 def _read_done(path: Path) -> set[str]:
     return {r["prompt"] for r in _read_rows(path)}
 
@@ -74,8 +79,8 @@ def generate_rft_data(run, examples, output: str | Path) -> dict:
     mine = shard(prompts, dist.rank, dist.world_size)
     shard_path = Path(f"{output}.rank{dist.rank}")
     done_path = Path(f"{shard_path}.done")
-    done = _read_done(done_path) | {r["prompt"] for r in _read_rows(shard_path)} \
-        | {r["prompt"] for r in _read_rows(output)}
+    done = _read_done(done_path) | {_prompt(r) for r in _read_rows(shard_path)} \
+        | {_prompt(r) for r in _read_rows(output)}
     todo = [p for p in mine if p not in done]
     K, B = cfg.rft_oversample, cfg.rft_prompts_per_batch
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 7 + dist.rank)
@@ -89,8 +94,9 @@ def generate_rft_data(run, examples, output: str | Path) -> dict:
             batch = todo[i:i + B]
             rows = [p for p in batch for _ in range(K)]
             with run.precision.autocast(generation=True):
-                r = sample(model, tok, rows, cfg.max_new_tokens, temperature=cfg.temperature,
-                           top_k=cfg.top_k, top_p=cfg.top_p, generator=gen)
+                r = sample(model, tok, [first[p].model_input for p in rows], cfg.max_new_tokens,
+                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                           generator=gen)
             exs = [first[p] for p in rows]
             res = scorer.score(rows, r.texts, [ex.target for ex in exs],
                                scored_metas([ex.meta for ex in exs], r, cfg.max_new_tokens))
@@ -102,8 +108,9 @@ def generate_rft_data(run, examples, output: str | Path) -> dict:
                         cand.setdefault(r.texts[k], k)
                 picked = sorted(cand.values(), key=lambda k: -res.total[k])
                 for k in picked[:1] if cfg.rft_keep == "best" else picked:
+                    ask = {"messages": first[p].messages} if first[p].messages else {"prompt": p}
                     lines.append(json.dumps({
-                        "prompt": p, "target": first[p].target, "completion": r.texts[k],
+                        **ask, "target": first[p].target, "completion": r.texts[k],
                         "reward": float(res.total[k]),
                         "rewards": {n: float(c[k]) for n, c in res.columns.items()}}) + "\n")
                     stats[2] += 1

@@ -107,7 +107,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         model, tok = build_policy(cfg, data, checkpoint)
         model.to(device)
         if data is not None:
-            check_lengths(cfg, tok, [ex.prompt for ex in data.train + data.eval])
+            check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval])
         precision = resolve_precision(cfg, device, model)
         model.attn_impl = attention_impl(cfg, precision)
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
@@ -136,10 +136,13 @@ def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
                               f"processes ({dist.world_size}): every rank needs at least one")
 
 
-def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list[str]) -> None:
+def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> None:
     """Every prompt (as the model sees it: BOS or chat template) plus max_new_tokens must fit
     in block_size; fail before work."""
-    longest = max(len(tok.encode_prompt(p)) for p in prompts)
+    try:
+        longest = max(len(tok.encode_prompt(p)) for p in prompts)
+    except ValueError as e:  # messages without a chat template
+        raise ConfigError(str(e)) from None
     if longest + cfg.max_new_tokens > cfg.block_size:
         raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
                           f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")

@@ -92,7 +92,7 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
     t0, tokens = time.perf_counter(), 0
     for step in range(1, steps + 1):
         idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)
-        pairs = [(examples[i].prompt, examples[i].meta.get("completion", examples[i].target))
+        pairs = [(examples[i].model_input, examples[i].meta.get("completion", examples[i].target))
                  for i in shard(idx, dist.rank, dist.world_size)]
         x, y = sft_batch(run.tok, pairs, device)
         lr = lr_at(step, base_lr, warmup, steps) * guard.lr_scale

@@ -74,7 +74,10 @@ class CharTokenizer:
     def eos_ids(self) -> list[int]:
         return [self.eos_id]
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str | list[dict]) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError("chat_template: rows with messages need a Hugging Face "
+                             "tokenizer with a chat template (init_from a model directory)")
         return self.encode(text, bos=True)
 
     def configure_chat(self, chat_template: str, system_prompt: str) -> None:
@@ -217,13 +220,17 @@ class HFTokenizer:
     def unknown_chars(self, text: str) -> list[str]:
         return []  # a BPE tokenizer encodes any text (bytes, or its own fallback)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A task's prompt as ids: through the chat template as one user message (after the
-        system prompt, if any) when chat is on, else BOS + text."""
+    def encode_prompt(self, text: str | list[dict]) -> list[int]:
+        """A task's prompt as ids: when chat is on, through the chat template as one user
+        message, or a row's own messages, after the system prompt (if any, and if the row has
+        no system message of its own); else BOS + text."""
         if not self.chat:
+            if not isinstance(text, str):
+                raise ValueError("chat_template: rows with messages need the chat template "
+                                 "(chat_template: auto or on, and a tokenizer that has one)")
             return self.encode(text, bos=True)
-        messages = [{"role": "user", "content": text}]
-        if self.system_prompt:
+        messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+        if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return self.encode(self.apply_chat_template(messages))
 

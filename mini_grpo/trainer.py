@@ -75,7 +75,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # ---- rollout with the unwrapped policy (no DDP hooks)
         t0 = time.perf_counter()
         with run.precision.autocast(generation=True, enabled=guard.amp):
-            r = sample(model, run.tok, [ex.prompt for ex in rows], cfg.max_new_tokens,
+            r = sample(model, run.tok, [ex.model_input for ex in rows], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        generator=gen, use_cache=cfg.kv_cache)
         times["generate"] = time.perf_counter() - t0

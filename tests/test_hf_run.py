@@ -165,3 +165,52 @@ def test_evaluate_a_hugging_face_directory(lm):
             "--max_new_tokens=8", "--block_size=256", "--reward_executor=serial")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"checkpoint {lm}" in r.stdout and "4 held-out prompts" in r.stdout
+
+
+def test_messages_rows_render_through_the_chat_template_as_transformers_renders_them(
+        lm, tmp_path):
+    from mini_grpo.config import ConfigError, load_config
+    from mini_grpo.run import check_lengths
+    from mini_grpo.tasks import build_task
+
+    convs = [[{"role": "system", "content": "Answer in FEN."},
+              {"role": "user", "content": "e2e4:"}],
+             [{"role": "user", "content": "d2d4 d7d5:"}],
+             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Moves?"},
+              {"role": "user", "content": "g1f3:"}]] * 2
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m, "target": "x", "id": i}) + "\n"
+                            for i, m in enumerate(convs)))
+    cfg = load_config(None, {"task": "jsonl", "data_path": str(data), "init_from": str(lm),
+                             "block_size": "256", "num_eval": "2"}, env={})
+    task = build_task(cfg)
+    _, tok = build_policy(cfg, task)
+    theirs = transformers.AutoTokenizer.from_pretrained(lm)
+    for ex in task.train + task.eval:
+        assert ex.prompt == ex.messages[-1]["content"] and "id" in ex.meta
+        want = theirs.apply_chat_template(ex.messages, add_generation_prompt=True,
+                                          tokenize=False)
+        assert tok.encode_prompt(ex.model_input) == \
+            theirs(want, add_special_tokens=False).input_ids
+    # without a chat template, such rows are refused before any work
+    _, char_tok = build_policy(tiny(None), build_task(tiny(None)))
+    with pytest.raises(ConfigError, match="rows with messages need a Hugging Face tokenizer"):
+        check_lengths(cfg, char_tok, [ex.model_input for ex in task.train])
+
+
+@pytest.mark.parametrize("row, needle", [
+    ({"messages": [], "target": "x"}, "must be a non-empty list"),
+    ({"messages": [{"role": "user"}], "target": "x"}, "messages\\[0\\] must be an object"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+      "target": "x"}, "the last message is the assistant's"),
+    ({"messages": [{"role": "user", "content": "a"}], "prompt": "a", "target": "x"},
+     "not both"),
+])
+def test_bad_messages_rows_are_named(tmp_path, row, needle):
+    from mini_grpo.config import ConfigError
+    from mini_grpo.tasks import load_jsonl
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "ok", "target": "x"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=f"bad.jsonl:2: .*{needle}"):
+        load_jsonl(data)

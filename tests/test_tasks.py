@@ -89,7 +89,7 @@ def test_build_chess_task_from_config():
 
 
 def test_unknown_task():
-    with pytest.raises(ConfigError, match="unknown task 'go'.*chess_fen, jsonl"):
+    with pytest.raises(ConfigError, match="unknown task 'go'.*chess_fen, countdown, jsonl"):
         build_task(config(task="go"))
 
 

@@ -9,6 +9,7 @@ alphabet a CharTokenizer is built from, and the task's evaluation extras: per-ro
 beat (chess: the start position). evaluate.py knows no task by name.
 
     chess_fen   random legal games -> FEN (tasks/chess_fen.py); also from task_args.pgn_path
+    countdown   numbers and a target -> an arithmetic expression reaching it (tasks/countdown.py)
     jsonl       any {"prompt", "target"} rows from `data_path` (tasks/jsonl.py)
 
 With `data_path` set, every task reads its rows from that file instead of making its own.
@@ -29,9 +30,15 @@ MAX_EVAL_FRACTION = 0.1
 
 @dataclass
 class Example:
-    prompt: str  # the text the model sees, e.g. "e2e4 e7e5:"
+    prompt: str  # the text the model sees, e.g. "e2e4 e7e5:" (a chat row: its last message)
     target: str  # the reference answer, e.g. a FEN
     meta: dict = field(default_factory=dict)  # extra JSON-able fields, passed to reward plugins
+    messages: list[dict] | None = None  # a chat row's conversation, rendered by the template
+
+    @property
+    def model_input(self) -> str | list[dict]:
+        """What the tokenizer encodes as the prompt (Tokenizer.encode_prompt)."""
+        return self.messages if self.messages is not None else self.prompt
 
 
 @dataclass
@@ -66,10 +73,10 @@ def split_held_out(rows: list[Example], num_eval: int, seed: int,
 
 
 # the task modules import Example/TaskData from here, so they come after the definitions
-from mini_grpo.tasks import chess_fen, jsonl  # noqa: E402
+from mini_grpo.tasks import chess_fen, countdown, jsonl  # noqa: E402
 from mini_grpo.tasks.jsonl import load_jsonl  # noqa: E402
 
-TASKS = {"chess_fen": chess_fen, "jsonl": jsonl}
+TASKS = {"chess_fen": chess_fen, "countdown": countdown, "jsonl": jsonl}
 
 
 def _task(name: str):

@@ -1,6 +1,12 @@
 """Bring-your-own data: a JSONL file with one {"prompt": ..., "target": ...} object per line.
 
-Fields other than prompt and target become the row's `meta` and reach reward plugins as is.
+A row may give `messages` instead of `prompt`: a conversation, a list of {"role": ...,
+"content": ...} objects ending with a message for the model to answer (not an assistant's),
+which the tokenizer's chat template renders (a Hugging Face model's tokenizer; a system
+message from `system_prompt` is added when the row has none). Its last message's content is
+the row's prompt text: what reward plugins get as `prompts`, and what held-out splits and
+RFT group rows by. Fields other than prompt/messages and target become the row's `meta` and
+reach reward plugins as is.
 Blank lines are skipped; anything else that is not such an object is an error naming the file
 and line, so a typo never silently drops training data. The one exception is a last line with
 no newline that does not parse: a write cut short by a kill, skipped with a warning.
@@ -56,6 +62,11 @@ def load_jsonl(path, tokenizer=None,
             if not isinstance(obj, dict):
                 raise ConfigError(f"{where}: expected an object with \"prompt\" and \"target\", "
                                   f"got {type(obj).__name__}")
+            messages = _messages(obj.pop("messages"), where) if "messages" in obj else None
+            if messages is not None:
+                if "prompt" in obj:
+                    raise ConfigError(f"{where}: give \"prompt\" or \"messages\", not both")
+                obj["prompt"] = messages[-1]["content"]
             for key in ("prompt", "target"):
                 if key not in obj:
                     raise ConfigError(f"{where}: missing \"{key}\"")
@@ -71,10 +82,27 @@ def load_jsonl(path, tokenizer=None,
             why = check(prompt, target) if check is not None else None
             if why:
                 raise ConfigError(f"{where}: row {len(rows) + 1}: {why}")
-            rows.append(Example(prompt, target, obj))
+            rows.append(Example(prompt, target, obj, messages))
     if not rows:
         raise ConfigError(f"{path}: no rows (the file is empty)")
     return rows
+
+
+def _messages(value, where: str) -> list[dict]:
+    """A row's conversation, checked: [{"role": str, "content": str}, ...], not ending with
+    an assistant's message."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: \"messages\" must be a non-empty list of "
+                          f"{{\"role\", \"content\"}} objects")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: messages[{i}] must be an object with string \"role\" "
+                              f"and \"content\", got {m!r}"[:300])
+    if value[-1]["role"] == "assistant":
+        raise ConfigError(f"{where}: the last message is the assistant's; a prompt ends with "
+                          f"a message for the model to answer")
+    return value
 
 
 def build(cfg: GRPOConfig, args: Args) -> TaskData:

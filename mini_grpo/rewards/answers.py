@@ -1,0 +1,208 @@
+"""Rewards for math answers (GSM8K / MATH style rows): math_answer and answer_format.
+
+A row's target is the reference answer, bare ("72", "\\frac{3}{4}") or a whole solution that
+ends in "#### 72" (GSM8K) or "\\boxed{...}" (MATH). The answer of a text is, first match wins:
+
+  1. the content of the last `\\boxed{...}` or `\\fbox{...}` whose braces balance
+     (escaped `\\{ \\}` do not count; a truncated last box falls back to the one before it)
+  2. the rest of the line after the last `####`
+  3. the content of the last complete `<answer>...</answer>` block
+  4. the last number in the text (`72`, `-1,234.5`, `3/4`, `\\frac{3}{4}`) for a completion;
+     the whole stripped text for a target.
+
+`math_answer` is 1.0 when the two answers are equal, else 0.0. Both sides are read as numbers
+when they can be: an optional sign (`-`, `+`, unicode minus), `$` or `\\$`, an integer with
+optional thousands commas, a decimal, `a/b`, `\\frac{a}{b}` (`\\dfrac`, `\\tfrac`, `\\frac12`,
+a sign inside or outside), a mixed number (`2 1/2`, `2\\frac{1}{2}`), then an optional `%` and
+trailing unit words ("72 dollars", "5 \\text{cm}"); a leading `x =` is dropped. A percent sign
+is ignored, so 50% == 50 != 0.5: GSM8K asks "what percent ..." and answers 50. Two numbers are
+equal when their exact fractions are, or, when either is written as a decimal, within 1e-6
+relative (0.5 == 1/2 exactly, 0.333333 == 1/3 by tolerance, 0.33 != 1/3). Exponents (1e5) and
+numbers over 100 characters are not read as numbers.
+
+When either side is not a number, the two are compared as strings after normalising: `$`,
+whitespace, `\\left`/`\\right`, `\\!` `\\,` `\\;` `\\:`, `\\displaystyle`, degree marks and a
+trailing `.` are dropped, `\\text{}` `\\mathrm{}` `\\textbf{}` `\\mbox{}` wrappers unwrapped,
+`\\dfrac`/`\\tfrac` read as `\\frac`, case ignored ("\\text{Yes}" == "yes"). An empty answer
+never matches.
+
+`answer_format` is 1.0 when the completion marks a non-empty final answer by rule 1, 2 or 3
+(a bare last number does not count), else 0.0; it rewards the form, not correctness.
+
+Both never raise on a completion (a row that would scores 0.0) and read only the last 10,000
+characters of a text, with linear-time regexes. `math_answer` returns None (row not scored)
+for a target with no answer: that is a data problem.
+
+HuggingFace's `math-verify` (sympy) is deliberately not used: its timeouts are SIGALRM-based,
+so it raises in the scorer's helper threads, and without them one answer such as
+`\\boxed{9^{9^{9^{9}}}}` holds the GIL for good; it is also ~30x slower. It would add symbolic
+equivalence (`2\\sqrt{3}` == `\\sqrt{12}`, `x^2+1` == `1+x^2`), which this module does not do.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from mini_grpo.rewards.registry import register
+
+MAX_CHARS = 10_000  # only the tail of a text is read: the final answer is at the end
+MAX_NUMBER_CHARS = 100  # longer "numbers" compare as strings (and never reach int())
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE_RE = re.compile(r"(?<!\\)[{}]")
+_N = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"  # 1,234.5 / 1234 / .5
+_LAST_NUMBER_RE = re.compile(
+    rf"(?:(?<![\w)\]}}])[-\u2212])?"  # a minus that is no subtraction: "-3", not "5-3"
+    rf"(?:\\[dt]?frac\{{\s*-?(?:{_N})\s*\}}\{{\s*-?(?:{_N})\s*\}}|\\[dt]?frac\d\d"
+    rf"|(?:{_N})(?:\s*/\s*(?:{_N}))?)")
+_NUMBER_RES = [  # full matches, after sign, `$`, `%` and units are gone
+    re.compile(rf"(?P<a>{_N})"),
+    re.compile(rf"(?:(?P<w>\d+)\s+)?(?P<a>{_N})\s*/\s*(?P<b>{_N})"),
+    re.compile(rf"(?:(?P<w>\d+)\s*)?\\frac\s*\{{\s*(?P<sa>-?)\s*(?P<a>{_N})\s*\}}"
+               rf"\s*\{{\s*(?P<sb>-?)\s*(?P<b>{_N})\s*\}}"),
+    re.compile(r"(?:(?P<w>\d+)\s*)?\\frac(?P<a>\d)(?P<b>\d)"),
+]
+_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_VAR_PREFIX_RE = re.compile(r"[A-Za-z](?:_\w+)?\s*=")
+_DROP = ["\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "^{\\circ}",
+         "^\\circ", "\u00b0", "\\$", "$"]
+_REPLACE = [("\u2212", "-"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("{,}", ","),
+            ("\\%", "%"), ("\\ ", " ")]
+_UNIT_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ."
+_TOLERANCE = Fraction(1, 10**6)
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...} whose braces balance, else None."""
+    opens = [m.end() - 1 for m in _BOX_RE.finditer(text)]
+    if not opens:
+        return None
+    close_of, stack = {}, []
+    for m in _BRACE_RE.finditer(text, opens[0]):  # one pass matches every brace
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            close_of[stack.pop()] = m.start()
+    for i in reversed(opens):
+        if i in close_of:
+            return text[i + 1:close_of[i]]
+    return None
+
+
+def marked_answer(text: str) -> str | None:
+    """The answer a text marks by \\boxed{}, `####` or <answer> (rules 1-3), else None."""
+    text = text[-MAX_CHARS:]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    i = text.rfind("####")
+    if i >= 0:
+        return text[i + 4:].strip().split("\n", 1)[0].strip()
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start >= 0:
+        return text[start + len("<answer>"):end].strip()
+    return None
+
+
+def extract_answer(text: str, *, is_target: bool = False) -> str:
+    """The answer of a completion (rules 1-4, "" when none) or of a target (1-3, else all)."""
+    marked = marked_answer(text)
+    if marked is not None:
+        return marked
+    if is_target:
+        return text.strip()
+    numbers = _LAST_NUMBER_RE.findall(text[-MAX_CHARS:])  # no groups: whole matches
+    return numbers[-1] if numbers else ""
+
+
+def _normalise(s: str) -> str:
+    for old, new in _REPLACE:
+        s = s.replace(old, new)
+    s = _WRAPPER_RE.sub(r"\1", _WRAPPER_RE.sub(r"\1", s))  # twice: \text{\textbf{x}}
+    for old in _DROP:
+        s = s.replace(old, "")
+    return s.strip().rstrip(".").strip()
+
+
+def _strip_units(s: str) -> str:
+    """'72 dollars' -> '72'; a single letter must follow a space, so '3x' stays."""
+    stem = s.rstrip(_UNIT_CHARS)
+    tail = s[len(stem):]
+    if stem and (tail[:1] == " " or len(tail.strip(" .")) >= 2):
+        return stem
+    return s
+
+
+def to_number(s: str) -> tuple[Fraction, bool] | None:
+    """(exact value, written as a decimal) of a normalised answer, or None if not a number."""
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
+    s = s.rsplit("=", 1)[1].strip() if _VAR_PREFIX_RE.match(s) else s
+    s = _strip_units(s).rstrip(" %")
+    s = _strip_units(s).strip()  # "50% of them" / "50 percent"
+    sign = 1
+    if s and s[0] in "+-":
+        sign, s = (-1 if s[0] == "-" else 1), s[1:].lstrip()
+    for pattern in _NUMBER_RES:
+        m = pattern.fullmatch(s)
+        if m is None:
+            continue
+        d = m.groupdict()
+        a = Fraction(d["a"].replace(",", ""))
+        if d.get("b") is not None:
+            b = Fraction(d["b"].replace(",", ""))
+            if b == 0:
+                return None
+            a = a / b * (-1 if d.get("sa") else 1) * (-1 if d.get("sb") else 1)
+        if d.get("w"):
+            a = int(d["w"]) + a if a >= 0 else -int(d["w"]) + a
+        return sign * a, "." in s
+    return None
+
+
+def answers_equal(answer: str, reference: str) -> bool:
+    """Whether an extracted answer equals the reference: as numbers if both are, else text."""
+    a, r = _normalise(answer), _normalise(reference)
+    if not a or not r:
+        return False
+    x, y = to_number(a), to_number(r)
+    if x is not None and y is not None:
+        (x, x_dec), (y, y_dec) = x, y
+        if x == y:
+            return True
+        return (x_dec or y_dec) and abs(x - y) <= _TOLERANCE * max(abs(x), abs(y))
+    return "".join(a.split()).casefold() == "".join(r.split()).casefold()
+
+
+def _math_answer_row(completion: str, target: str) -> float | None:
+    try:
+        reference = extract_answer(target, is_target=True)
+    except Exception:
+        return None
+    if not _normalise(reference):
+        return None
+    try:
+        return float(answers_equal(extract_answer(completion), reference))
+    except Exception:  # a completion can be anything: it scores 0, the trainer goes on
+        return 0.0
+
+
+@register("math_answer")
+def math_answer(prompts, completions, targets, metas):
+    """1.0 when the completion's final answer equals the target's (see the module docstring)."""
+    return [_math_answer_row(c, t) for c, t in zip(completions, targets)]
+
+
+def _answer_format_row(completion: str) -> float:
+    try:
+        return float(bool(marked_answer(completion)))
+    except Exception:
+        return 0.0
+
+
+@register("answer_format")
+def answer_format(prompts, completions, targets, metas):
+    """1.0 when the completion marks a final answer (\\boxed{}, `####` or <answer>), else 0.0."""
+    return [_answer_format_row(c) for c in completions]
