@@ -170,3 +170,24 @@ def test_a_raising_or_hanging_async_plugin_is_isolated_and_counted():
         again = scorer.score(PROMPTS, COMPLETIONS, TARGETS, METAS)  # the scorer goes on
         assert np.array_equal(again.columns["native"], res.columns["native"])
         assert scorer.failure_counts == {"raises_on_bad": 2, "hangs": 8, "native": 0}
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_the_http_verifier_example_scores_like_the_builtin(executor, monkeypatch):
+    from conftest import ROOT
+
+    from mini_grpo.config import load_config
+    from mini_grpo.rewards.countdown import countdown_correct
+    from mini_grpo.tasks import build_task
+
+    monkeypatch.syspath_prepend(str(ROOT))  # `examples.http_verifier` imports from the root
+    task = build_task(load_config("tiny", {"task": "countdown", "num_eval": "8"}, env={}))
+    exs = task.eval
+    completions = [ex.target if i % 2 else "<answer>1+1</answer>" for i, ex in enumerate(exs)]
+    args = ([ex.prompt for ex in exs], completions, [ex.target for ex in exs],
+            [ex.meta for ex in exs])
+    with RewardScorer([{"name": "examples.http_verifier:verified"}], executor=executor,
+                      workers=2) as scorer:
+        got = scorer.score(*args).columns["verified"]
+    assert got.tolist() == countdown_correct(*args)
+    assert got.sum() == len(exs) // 2  # the targets are solutions: every other row solved
