@@ -137,6 +137,12 @@ class GRPOConfig:
     # this dtype; auto = the dtype init_from's config.json names, else float32
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
+    # ---- parallelism (under torchrun) ----
+    # ddp: every rank a full copy of weights, gradients and AdamW state; fsdp: each rank 1/N
+    # of them (FSDP2), for models that do not fit one device (mini_grpo/fsdp.py)
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    fsdp_cpu_offload: bool = False  # fsdp: shards, gradients and optimizer step in CPU memory
+
     # ---- precision and speed ----
     # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
     # with bf16 units, whichever of bf16 and fp32 a probe at start (precision.probe_dtypes)
@@ -226,7 +232,7 @@ ENV_VARS: dict[str, str] = {
     "PARALLEL_REWARDS": "parallel_rewards",  # legacy switch: false = reward_executor serial
     "NUM_WORKERS": "num_reward_workers", "NUM_THREADS": "num_threads",
     "CPU_MALLOC_CACHE": "cpu_malloc_cache", "OUT_DIR": "out_dir", "SEED": "seed",
-    "MAX_STEPS": "max_steps",
+    "MAX_STEPS": "max_steps", "PARALLELISM": "parallelism",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

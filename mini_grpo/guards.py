@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from . import distributed as D
+from .fsdp import local_params
 
 RUNGS = ("amp_off", "halve_lr", "restore", "stop")
 
@@ -37,7 +38,7 @@ class NonFiniteError(RuntimeError):
 
 def params_finite(params) -> torch.Tensor:
     """0-d bool tensor: every parameter is finite (one fused norm per parameter, no sync)."""
-    params = [p for p in params]
+    params = local_params(params)  # this rank's shards under fsdp: the guard agrees across ranks
     if not params:
         return torch.ones((), dtype=torch.bool)
     return torch.isfinite(torch.stack(torch._foreach_norm(params))).all()

@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from . import fsdp
 from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
 from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
@@ -42,35 +43,45 @@ def train(cfg) -> dict:
             train_sft(run)
         result = {}
         if "rft" in stages:
-            if run.dist.is_main:
-                result["before"] = eval_both(run, 0)
+            with fsdp.full_params(run.model):  # every rank gathers, rank 0 evaluates
+                if run.dist.is_main:
+                    result["before"] = eval_both(run, 0)
             run_rft(run)
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
-            result = before_grpo(run, resume)
+            with fsdp.full_params(run.model):
+                result = before_grpo(run, resume)
             if resume is not None:
-                run.model.load_state_dict(resume["model"])
+                fsdp.load_model_state(run.model, resume["model"])
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
             train_grpo(run, resume)
-        if run.dist.is_main:
-            last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1],
-                                                                         cfg.sft_steps)
-            result["after"] = eval_both(run, last)
-            result["baselines"] = trivial_baselines(run.task, run.scorer)
-            (Path(cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
-            table = {f"{k} {mode}": v[mode] for k, v in result.items() if k != "baselines"
-                     for mode in ("greedy", "sampled")}
-            print("\n" + format_table(table), flush=True)
-            print("trivial answers under the same reward: " + ", ".join(
-                f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
-            export(run)
+        weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
+        with fsdp.full_params(run.model):
+            if run.dist.is_main:
+                finish(run, result, stages, weights)
     return result
 
 
-def export(run: Run) -> None:
-    """The trained policy as a Hugging Face directory, <out_dir>/hf (rank 0)."""
+def finish(run: Run, result: dict, stages: tuple, weights: dict) -> None:
+    """Rank 0, after the last stage: the "after" evaluations, eval.json, the table, export."""
+    cfg = run.cfg
+    last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1], cfg.sft_steps)
+    result["after"] = eval_both(run, last)
+    result["baselines"] = trivial_baselines(run.task, run.scorer)
+    (Path(cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+    table = {f"{k} {mode}": v[mode] for k, v in result.items() if k != "baselines"
+             for mode in ("greedy", "sampled")}
+    print("\n" + format_table(table), flush=True)
+    print("trivial answers under the same reward: " + ", ".join(
+        f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
+    export(run, weights)
+
+
+def export(run: Run, weights: dict) -> None:
+    """The trained policy (its full `weights`) as a Hugging Face directory, <out_dir>/hf."""
     dtype = export_dtype(run.model, run.cfg.export_dtype)
-    path = save_hf(run.model, Path(run.cfg.out_dir) / "hf", dtype, tokenizer=run.tok)
+    path = save_hf(run.model, Path(run.cfg.out_dir) / "hf", dtype, tokenizer=run.tok,
+                   state=weights)
     print(f"[mini-grpo] exported {path} ({str(dtype).removeprefix('torch.')}): "
           f"transformers' AutoModelForCausalLM.from_pretrained loads it", flush=True)
 
@@ -141,7 +152,8 @@ def run_rft(run: Run) -> None:
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
-    generate_rft_data(run, examples, data)
+    with fsdp.full_params(run.model):  # each rank samples alone
+        generate_rft_data(run, examples, data)
     try:
         accepted = load_jsonl(data)
     except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"

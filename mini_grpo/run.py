@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as D
+from . import fsdp
 from .checkpoint import CheckpointError, check_shapes, load_checkpoint
 from .config import ConfigError, GRPOConfig, load_config
 from .logger import RunLogger
@@ -60,9 +61,23 @@ class Run:
     reference: Reference | None = None
 
     def freeze_reference(self) -> None:
-        """The reference policy: a frozen copy of the policy as it is now (beta 0: none)."""
-        if self.cfg.beta:
-            self.reference = Reference(self.model, self.device, self.cfg.offload_reference)
+        """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
+        Under fsdp a full, unsharded copy on every rank (offload_reference: in CPU memory)."""
+        if not self.cfg.beta:
+            return
+        model = self.model
+        if self.sharded:
+            state = fsdp.model_state(self.model, everywhere=True)  # a collective
+            with torch.device("meta"):
+                model = build(spec(self.model))
+            model.load_state_dict(state, assign=True)
+            if model.tied_head():
+                model.lm_head.weight = model.get_parameter(model.tied_head())
+        self.reference = Reference(model, self.device, self.cfg.offload_reference)
+
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.parallelism == "fsdp" and self.dist.world_size > 1
 
     def identity(self) -> dict:
         """What every checkpoint carries besides weights: the config, the tokenizer and the
@@ -111,7 +126,11 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         precision = resolve_precision(cfg, device, model)
         model.attn_impl = attention_impl(cfg, precision)
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
-        net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
+        if cfg.parallelism == "fsdp" and dist.world_size > 1:
+            net, comm = fsdp.shard(model, device, _fsdp_dtype(cfg, precision),
+                                   cfg.fsdp_cpu_offload), None
+        else:
+            net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
         logger = open_run_dir(cfg, tok) if log and dist.is_main else None
     except BaseException:
         if scorer is not None:
@@ -125,11 +144,24 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
                    f"held-out prompts; model {model.num_params() / 1e6:.2f}M params; {procs} on "
                    f"{device}, {threads} threads; {precision.describe()}"
                    + (f"; run directory {cfg.out_dir}" if logger else ""))
+    if data is not None and log:  # a training run: what each rank holds, as the issue's table
+        mem = {k: v / 2**20 for k, v in fsdp.memory_report(model).items()}
+        how = f"{cfg.parallelism} over {dist.world_size}" if dist.enabled else "one process"
+        print(f"[mini-grpo] rank {dist.rank} holds ({how}): parameters {mem['params']:.1f} MiB, "
+              f"gradients {mem['grads']:.1f} MiB, AdamW state {mem['optimizer']:.1f} MiB",
+              flush=True)
     return run
+
+
+def _fsdp_dtype(cfg: GRPOConfig, precision: Precision) -> torch.dtype | None:
+    """bf16 parameters under fsdp when training runs in bf16 (gradients reduced in fp32)."""
+    return torch.bfloat16 if precision.dtype == torch.bfloat16 else None
 
 
 def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
     """Combinations that would only fail deep inside the run, refused at the start."""
+    if cfg.parallelism == "fsdp" and cfg.compile_model:
+        raise ConfigError("compile_model: not supported with parallelism: fsdp yet")
     for key in ("prompts_per_step", "sft_batch_size"):
         if getattr(cfg, key) < dist.world_size:
             raise ConfigError(f"{key}: {getattr(cfg, key)} is smaller than the number of "

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as D
+from . import fsdp
 from .checkpoint import latest_checkpoint, save_checkpoint
 from .chunked import token_logprobs
 from .config import ConfigError, load_config
@@ -82,7 +83,7 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
     directory = sft_dir(cfg) if directory is None else Path(directory)
     state = _reusable(run, directory, steps, tag)
     if state is not None:
-        model.load_state_dict(state["model"])
+        fsdp.load_model_state(model, state["model"])
         return
     opt = make_optimizer(model, base_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
     guard = Guard(cfg.guard_patience, amp=run.precision.dtype is not None, stage=tag.upper())
@@ -100,7 +101,7 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
         loss = sft_loss(run.net, x, y, lambda: run.precision.autocast(enabled=guard.amp))
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        gnorm = fsdp.clip_grad_norm(model.parameters(), cfg.grad_clip or float("inf"))
         if guard.check(loss.detach(), loss.detach() if scaler.is_enabled() else gnorm,
                        params_finite(model.parameters())):
             scaler.step(opt)  # skips the step when fp16 gradients overflowed
@@ -127,8 +128,9 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
     if not params_finite(model.parameters()):
         raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
                              f"(lr {base_lr:g} too high?); nothing was saved")
+    weights = fsdp.model_state(model)  # a collective under fsdp
     if dist.is_main:
-        state = {"kind": tag, "model": model.state_dict(), "step": steps, **run.identity()}
+        state = {"kind": tag, "model": weights, "step": steps, **run.identity()}
         path = save_checkpoint(state, directory, steps, keep=1)
         print(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}",
               flush=True)

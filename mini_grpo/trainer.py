@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as D
+from . import fsdp
 from .checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -50,7 +51,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
                   or run.precision.generation_dtype is not None)
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, fused=cfg.fused_optimizer)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + dist.rank)  # differs by rank
-    start = _continue_from(resume, guard, opt, gen, dist) if resume is not None else 0
+    start = _continue_from(resume, guard, model, opt, gen, dist) if resume is not None else 0
     scaler = run.precision.scaler(guard.amp)
     if resume is not None and resume.get("scaler"):
         scaler.load_state_dict(resume["scaler"])
@@ -58,8 +59,8 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
     def restore() -> str:  # the guard's "restore" rung
         path, state = latest_checkpoint(ckpt_dir)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        fsdp.load_model_state(model, state["model"])
+        fsdp.load_optim_state(model, opt, state["optimizer"])
         return str(path)
 
     if run.logger:
@@ -74,7 +75,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
         # ---- rollout with the unwrapped policy (no DDP hooks)
         t0 = time.perf_counter()
-        with run.precision.autocast(generation=True, enabled=guard.amp):
+        with fsdp.full_params(model), run.precision.autocast(generation=True, enabled=guard.amp):
             r = sample(model, run.tok, [ex.model_input for ex in rows], cfg.max_new_tokens,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        generator=gen, use_cache=cfg.kv_cache)
@@ -91,6 +92,9 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # ---- reference log-probs (beta = 0 skips the reference entirely)
         t0 = time.perf_counter()
         batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)  # for both passes
+        # fsdp: every forward and backward is a collective, so ranks run as many as the
+        # busiest one (extra passes carry no loss)
+        pad = fsdp.equal_passes(len(batches)) - len(batches) if run.sharded else 0
         ref_lp = torch.zeros_like(r.logprobs)
         if run.reference is not None:
             for rows_, pids, pm, index, cids, cm in batches:
@@ -107,13 +111,12 @@ def train_grpo(run, resume: dict | None = None) -> None:
         acc, old, t_opt = torch.zeros(8, device=device), None, 0.0
         for _ in range(cfg.num_iterations):
             part, old = policy_pass(run.net, batches, batch, ref_lp, old, cfg, W, scaler,
-                                    lambda: run.precision.autocast(enabled=guard.amp))
+                                    lambda: run.precision.autocast(enabled=guard.amp), pad)
             poison_gradients(step, dist, part[0], model)  # test hook, no-op unless asked
             acc += part
             t1 = time.perf_counter()
             scaler.unscale_(opt)
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                   cfg.grad_clip or float("inf"))
+            gnorm = fsdp.clip_grad_norm(model.parameters(), cfg.grad_clip or float("inf"))
             # with fp16 loss scaling, overflowing gradients are the scaler's to skip
             if guard.check(part[0], part[0] if scaler.is_enabled() else gnorm, ~r.nonfinite,
                            params_finite(model.parameters())):
@@ -139,18 +142,22 @@ def train_grpo(run, resume: dict | None = None) -> None:
                                        "tok/s": m["tokens_per_s"]})
 
         # ---- periodic evaluation (rank 0; the others wait at the next collective)
-        if step % cfg.eval_every == 0 and step < cfg.max_steps and run.logger:
-            ev = evaluate(run, greedy=True, amp=guard.amp)
-            run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"}, "eval/")
-            run.logger.text(step, "samples", "\n\n".join(
-                f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
-                for s in ev["samples"]))
+        if step % cfg.eval_every == 0 and step < cfg.max_steps:
+            with fsdp.full_params(model):  # every rank gathers; rank 0 evaluates
+                if run.logger:
+                    ev = evaluate(run, greedy=True, amp=guard.amp)
+                    run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"},
+                                       "eval/")
+                    run.logger.text(step, "samples", "\n\n".join(
+                        f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
+                        for s in ev["samples"]))
         # a checkpoint only from a step whose update went through: "restore" must go back
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
             states = D.all_gather_object(rng_state(gen))  # every rank's sampling RNG
+            weights, optim = fsdp.model_state(model), fsdp.optim_state(model, opt)
             if dist.is_main:
-                save_grpo_checkpoint(run, opt, scaler, guard, step, states)
+                save_grpo_checkpoint(run, weights, optim, scaler, guard, step, states)
             D.barrier()
 
 
@@ -192,14 +199,15 @@ def advantages(rewards: torch.Tensor, cmask: torch.Tensor, cfg,
 
 
 def policy_pass(net, batches, batch: Batch, ref_lp, old, cfg, world_size: int = 1, scaler=None,
-                autocast=nullcontext):
+                autocast=nullcontext, pad: int = 0):
     """One pass over the rollout's micro-batches, accumulating the gradient of its GRPO loss.
 
     `old` is None on the first pass, whose own detached log-probs then serve as the old ones
     (ratio exactly 1); later passes get back the list this returns. The normalisers are the
     global batch's, so the gradients summed over micro-batches and ranks are those of one
     process holding the whole batch; DDP averages over ranks, hence the factor world_size.
-    All micro-batches but the last skip DDP's all-reduce (no_sync).
+    All micro-batches but the last skip DDP's all-reduce (no_sync). `pad` extra passes over
+    the last micro-batch carry no loss: under fsdp they keep the ranks' collectives in step.
     Returns (sums, old): sums = (loss, kl, clip_low, clip_high, ratio, entropy) x tokens,
     token positions pushed (padding included) and the real ones, for the caller to reduce.
     """
@@ -226,6 +234,12 @@ def policy_pass(net, batches, batch: Batch, ref_lp, old, cfg, world_size: int = 
         acc += torch.stack([loss.detach(), st["kl"] * k, st["clip_low"] * k, st["clip_high"] * k,
                             st["ratio"] * k, st["entropy"] * k,
                             torch.tensor(float(pushed), device=device), real.float()])
+    for _ in range(pad):
+        _, pids, pm, index, cids, cm = batches[-1]
+        with autocast():
+            logp = completion_logprobs(net, pids, pm, cids, cm, cfg.temperature, index)
+        nothing = logp.sum() * 0.0
+        (scaler.scale(nothing) if scaler is not None else nothing).backward()
     return acc, olds
 
 
@@ -280,21 +294,23 @@ def _skipped(run, guard: Guard, scaler, step: int, ckpt_dir: Path, restore):
     return run.precision.scaler(guard.amp) if guard.amp != amp else scaler
 
 
-def _continue_from(state: dict, guard: Guard, opt, gen, dist) -> int:
+def _continue_from(state: dict, guard: Guard, model, opt, gen, dist) -> int:
     """Optimizer, guard and this rank's RNG from a GRPO checkpoint; returns its step."""
-    opt.load_state_dict(state["optimizer"])
+    fsdp.load_optim_state(model, opt, state["optimizer"])
     guard.load_state_dict(state.get("guard", {}))
     set_rng_state(state["rng"][min(dist.rank, len(state["rng"]) - 1)], gen)
     return state["step"]
 
 
-def save_grpo_checkpoint(run, opt, scaler, guard: Guard, step: int, rng_states: list):
-    """Writes a checkpoint only from finite parameters (a NaN must never reach the disk)."""
-    model, cfg = run.model, run.cfg
-    if not params_finite(model.parameters()):
+def save_grpo_checkpoint(run, weights: dict, optim: dict, scaler, guard: Guard, step: int,
+                         rng_states: list):
+    """Writes a checkpoint (full weights and optimizer state, fsdp.model_state/optim_state)
+    only from finite parameters (a NaN must never reach the disk)."""
+    cfg = run.cfg
+    if not params_finite(weights.values()):
         print(f"[mini-grpo] step {step}: parameters are not finite, checkpoint NOT written")
         return None
-    state = {"kind": "grpo", "model": model.state_dict(), "optimizer": opt.state_dict(),
+    state = {"kind": "grpo", "model": weights, "optimizer": optim,
              "scaler": scaler.state_dict(), "guard": guard.state_dict(), "step": step,
              "rng": rng_states, **run.identity()}
     return save_checkpoint(state, Path(cfg.out_dir) / "checkpoints", step,

@@ -313,21 +313,24 @@ def _new_config(model: CausalLM) -> dict:
 
 
 def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
-            tokenizer=None, shard_bytes: int = SHARD_BYTES) -> Path:
+            tokenizer=None, shard_bytes: int = SHARD_BYTES, state: dict | None = None) -> Path:
     """`model` as a Hugging Face directory that transformers' AutoModelForCausalLM loads:
     config.json, model.safetensors (or shards with an index above `shard_bytes`),
-    generation_config.json and, given a tokenizer, its files. Written to a temporary
+    generation_config.json and, given a tokenizer, its files. `state`: the weights to write
+    instead of model.state_dict() (a sharded model's full ones). Written to a temporary
     directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
     path, family, tied = Path(path), model.family, model.tied_head()
+    weights = model.state_dict() if state is None else state
+    if dtype is None:
+        dtype = weights["lm_head.weight"].dtype
     state = {}
-    for name, t in model.state_dict().items():
+    for name, t in weights.items():
         if name == "lm_head.weight" and tied:  # stored once, as the embedding
             continue
-        t = t.detach().to("cpu", dtype or t.dtype)
+        t = t.detach().to("cpu", dtype)
         state[_theirs(family, name)] = (t.t() if _conv1d(family, name) else t).contiguous()
-    dtype = dtype or model.lm_head.weight.dtype
     config = export_config(model, dtype)
     shards, size = [[]], 0
     for name, t in state.items():

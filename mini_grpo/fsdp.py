@@ -1,0 +1,156 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard), the second parallelism beside DDP: each rank
+keeps 1/N of the parameters, gradients and AdamW state. With distributed.py, the only module
+that imports torch.distributed; the loop asks for what it needs through these helpers, which
+are no-ops on a model that is not sharded (one process, or DDP):
+
+    shard(model, ...)          fully_shard on each block, then on the root (in place)
+    full_params(model)         every rank all-gathers the weights once, then runs forward
+                               passes of its own (sampling, evaluation) with no collective
+    model_state / load_model_state, optim_state / load_optim_state
+                               full (unsharded) state dicts: checkpoints are the same files
+                               under DDP and FSDP, for any number of ranks
+    clip_grad_norm, local_params, memory_report
+
+Every FSDP forward and backward all-gathers and reduce-scatters with the other ranks, so
+ranks must run the same number of passes (the trainer pads the rank with fewer
+micro-batches, `equal_passes`). Sampling does not: `full_params` unshards once per rollout,
+not once per decoded token.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+def _sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype | None = None,
+          cpu_offload: bool = False) -> torch.nn.Module:
+    """`model` sharded over every rank (in place). `param_dtype` bf16: parameters gathered in
+    bf16, gradients reduced in fp32 (MixedPrecisionPolicy); `cpu_offload`: the shards, their
+    gradients and the optimizer step live in CPU memory (CPUOffloadPolicy)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                               reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)  # the rest: embeddings, final norm, LM head
+    return model
+
+
+@contextmanager
+def full_params(model: torch.nn.Module):
+    """Inside, every FSDP module of `model` holds its full weights (one all-gather each, on
+    every rank: a collective) and keeps them across forward passes, so a rank may run any
+    number of forwards alone; on exit the gathered copies are freed."""
+    if not _sharded(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for m in [*blocks, model]:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in [*blocks, model]:
+            m.reshard()
+        for m in blocks:  # the root keeps its own default (not resharded after forward)
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def model_state(model: torch.nn.Module, everywhere: bool = False) -> dict:
+    """The full state dict (a collective when sharded): on CPU and on rank 0 only, unless
+    `everywhere` (then on every rank, on the model's device)."""
+    if not _sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=not everywhere))
+
+
+def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    """Loads a full state dict that every rank holds (each keeps its shard)."""
+    if not _sharded(model):
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options())
+
+
+def optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state (rank 0; keyed by parameter name when sharded)."""
+    if not _sharded(model):
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return {"by_name": get_optimizer_state_dict(model, opt, options=_options(cpu_offload=True))}
+
+
+def load_optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Loads `optim_state`'s output, whichever parallelism saved it."""
+    if "by_name" not in state:
+        if _sharded(model):
+            raise ValueError("a DDP checkpoint's optimizer state cannot be loaded under "
+                             "fsdp yet: resume it with parallelism: ddp")
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, state["by_name"], options=_options())
+
+
+def local_params(params) -> list[torch.Tensor]:
+    """Each parameter's local part: this rank's shard of a sharded one."""
+    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_, returning the total norm as a plain tensor (a DTensor when sharded)."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def memory_report(model: torch.nn.Module) -> dict[str, float]:
+    """Bytes this rank holds for the parameters, their gradients (same dtype and size) and
+    AdamW's two fp32 moments: from the local shards, so a fraction under fsdp."""
+    local = local_params(p for p in model.parameters() if p.requires_grad)
+    params = sum(t.numel() * t.element_size() for t in local)
+    return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local)}
+
+
+def equal_passes(count: int) -> int:
+    """The most passes any rank runs (a collective when sharded); the others pad to it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return count
+    t = torch.tensor([count], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

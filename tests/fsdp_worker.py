@@ -1,0 +1,71 @@
+"""Run by tests/test_fsdp.py as one plain process, and under torchrun with 2 ranks and DDP or
+FSDP: 3 GRPO steps of the trainer's own functions (advantages with the global normalisers,
+the micro-batch plan, policy_pass with fsdp's padding to equal passes, clipping, fused AdamW)
+on fixed rollout batches, for our GPT and a Llama-family model with an untied head. Rank 0
+saves {family: full parameters, family/memory: each rank's memory report, family/passes:
+each rank's micro-batch counts} to argv[1].
+"""
+
+import gc
+import sys
+
+import torch
+from ddp_grad_worker import PROMPTS, G, make_batch, take
+
+from mini_grpo import distributed as D
+from mini_grpo import fsdp
+from mini_grpo.config import load_config
+from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
+from mini_grpo.optim import make_optimizer
+from mini_grpo.rollout import micro_batches
+from mini_grpo.trainer import advantages, policy_pass
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    if family == "gpt":
+        return GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    return Llama(LlamaConfig(vocab_size=24, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                             n_embd=32, head_dim=8, n_inner=48))
+
+
+def main(out_path: str, parallelism: str) -> None:
+    dist = D.init()
+    torch.set_num_threads(1)
+    W = dist.world_size
+    mine = slice(dist.rank * PROMPTS * G // W, (dist.rank + 1) * PROMPTS * G // W)
+    cfg = load_config(None, {"micro_batch_size": 3, "beta": 0.1, "group_size": G,
+                             "max_new_tokens": 12, "use_amp": False}, env={})
+    out = {}
+    for family in ("gpt", "llama"):
+        model = build(family)
+        sharded = parallelism == "fsdp" and W > 1
+        if sharded:
+            net = fsdp.shard(model, torch.device("cpu"))
+        else:
+            net, _ = D.wrap_ddp(model, torch.device("cpu"))
+        opt = make_optimizer(model, 1e-2)
+        counts = []
+        for step in range(1, 4):
+            r, rewards, ref_lp = make_batch(seed=step)
+            r, rewards, ref_lp = take(r, mine), rewards[mine], ref_lp[mine]
+            batch = advantages(rewards, r.completion_mask, cfg, r.finished)
+            batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)
+            pad = fsdp.equal_passes(len(batches)) - len(batches) if sharded else 0
+            counts.append(len(batches))
+            policy_pass(net, batches, batch, ref_lp, None, cfg, W, pad=pad)
+            fsdp.clip_grad_norm(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[family] = {k: v.clone() for k, v in fsdp.model_state(model).items()}
+        out[f"{family}/memory"] = D.all_gather_object(fsdp.memory_report(model))
+        out[f"{family}/passes"] = D.all_gather_object(counts)
+        del net, opt  # DDP's reducer must not outlive the process group
+        gc.collect()
+    if dist.is_main:
+        torch.save(out, out_path)
+    D.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
