@@ -315,38 +315,42 @@ def format_step(r: dict) -> str:
 
 
 def bench_scaling(args, rest) -> dict:
-    """The step section with 1 process here, then 2 under torchrun, same global batch."""
+    """The step section with 1 process here, then 2 under torchrun with DDP and with FSDP,
+    same global batch."""
     import subprocess
 
     cmd = ["--config", args.config, "--only", "step", "--warmup", str(args.warmup or 2),
            "--steps", str(args.steps or 5), *rest]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for n in (1, 2):
-            out = f"{tmp}/step{n}.json"
+        for name, n, extra in (("1", 1, []), ("2", 2, ["--parallelism=ddp"]),
+                               ("2-fsdp", 2, ["--parallelism=fsdp"])):
+            out = f"{tmp}/step{name}.json"
             launcher = [sys.executable] if n == 1 else [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={n}"]
-            print(f"[bench] scaling: {n} process(es)", file=sys.stderr, flush=True)
-            subprocess.run([*launcher, __file__, *cmd, "--json", out], check=True,
+            print(f"[bench] scaling: {name} process(es)", file=sys.stderr, flush=True)
+            subprocess.run([*launcher, __file__, *cmd, *extra, "--json", out], check=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
             with open(out) as f:
-                runs[n] = json.load(f)["step"]
-    t1, t2 = runs[1]["step_s"]["median"], runs[2]["step_s"]["median"]
+                runs[name] = json.load(f)["step"]
+    t1, t2, tf = (runs[k]["step_s"]["median"] for k in ("1", "2", "2-fsdp"))
     return {"runs": runs, "speedup": t1 / t2, "efficiency": t1 / (2 * t2),
-            "comm_share_2proc": runs[2]["phase_share"]["comm"]}
+            "comm_share_2proc": runs["2"]["phase_share"]["comm"], "fsdp_speedup": t1 / tf}
 
 
 def format_scaling(r: dict) -> str:
-    a, b = r["runs"][1], r["runs"][2]
+    a, b, c = (r["runs"][k] for k in ("1", "2", "2-fsdp"))
+    mem = [x.get("memory", {}).get("rss_peak_MiB", float("nan")) for x in (a, b, c)]
     return "\n".join([
-        "scaling, same global batch:   1 process  2 processes",
+        "scaling, same global batch:   1 process  2 x DDP  2 x FSDP",
         f"  seconds/step              {a['step_s']['median']:>9.3f}"
-        f"  {b['step_s']['median']:>11.3f}",
-        f"  comm seconds/step         {a['phase_s']['comm']:>9.3f}  {b['phase_s']['comm']:>11.3f}",
-        f"  comm share of step        {100 * a['phase_share']['comm']:>8.1f}%  "
-        f"{100 * b['phase_share']['comm']:>10.1f}%",
-        f"  speed-up {r['speedup']:.2f}x, scaling efficiency {100 * r['efficiency']:.0f}%"])
+        f"  {b['step_s']['median']:>7.3f}  {c['step_s']['median']:>8.3f}",
+        f"  DDP comm share of step    {100 * a['phase_share']['comm']:>8.1f}%  "
+        f"{100 * b['phase_share']['comm']:>6.1f}%       - (not timed under fsdp)",
+        f"  peak RSS, MiB (rank 0)    {mem[0]:>9.0f}  {mem[1]:>7.0f}  {mem[2]:>8.0f}",
+        f"  DDP speed-up {r['speedup']:.2f}x (efficiency {100 * r['efficiency']:.0f}%), "
+        f"FSDP {r['fsdp_speedup']:.2f}x"])
 
 
 def compare(path_a: str, path_b: str) -> str:

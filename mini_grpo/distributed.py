@@ -32,6 +32,9 @@ class DistInfo:
         return self.world_size > 1
 
 
+_INITS = [0]  # process groups this process has created
+
+
 def init(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistInfo:
     if "RANK" not in os.environ:
         return DistInfo()
@@ -52,9 +55,13 @@ def init(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistInfo:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               info.world_size, is_master=not agent and info.rank == 0,
                               timeout=timeout)
+        # ... and so does each init of one process (benchmark.py builds several runs, each
+        # torn down by cleanup): every rank inits as often, so the counts agree
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"mini_grpo/{attempt}", store),
-                                rank=info.rank, world_size=info.world_size, timeout=timeout)
+        _INITS[0] += 1
+        dist.init_process_group(backend, store=dist.PrefixStore(
+            f"mini_grpo/{attempt}/{_INITS[0]}", store), rank=info.rank,
+            world_size=info.world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
     return info
