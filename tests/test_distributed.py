@@ -86,3 +86,24 @@ def test_nccl_end_to_end(tmp_path):
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={tmp_path / 'nccl'}",
                  "--device=auto")
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_second_process_group_in_one_process_under_torchrun(tmp_path):
+    """benchmark.py builds a run, tears it down and builds the next: the second process
+    group must not pick up the first's addresses from torchrun's store (it hung in DDP's
+    parameter check until the timeout)."""
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import torch\n"
+        "from mini_grpo import distributed as D\n"
+        "for i in range(2):\n"
+        "    info = D.init(timeout_s=30)\n"
+        "    net, _ = D.wrap_ddp(torch.nn.Linear(2, 2), torch.device('cpu'))\n"
+        "    t = D.all_reduce_sum(torch.ones(1))\n"
+        "    assert t.item() == 2, t\n"
+        "    del net\n"
+        "    D.cleanup()\n"
+        "print('twice ok')\n")
+    r = torchrun(str(script), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("twice ok") == 2
