@@ -59,10 +59,11 @@ def test_train_sh_with_amp_and_two_processes(tmp_path):
     assert load_checkpoint(out / "checkpoints" / "step_0000002.pt")["step"] == 2
 
 
-def test_killed_rank_restarts_and_resumes_from_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_killed_rank_restarts_and_resumes_from_the_checkpoint(tmp_path, parallelism):
     out = tmp_path / "elastic"
     r = torchrun("--max-restarts=1", "distributed_train.py", *TINY, f"--out_dir={out}",
-                 extra_env={"MINI_GRPO_FAULT": "crash:3"})
+                 f"--parallelism={parallelism}", extra_env={"MINI_GRPO_FAULT": "crash:3"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[fault] rank 1 exits abruptly at step 3" in r.stdout
     assert "resuming GRPO from step 2" in r.stdout
