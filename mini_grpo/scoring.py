@@ -48,12 +48,10 @@ import asyncio
 import logging
 import multiprocessing
 import pickle
-import queue
-import threading
 import time
 import traceback
 from collections.abc import Mapping, Set
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +59,7 @@ import numpy as np
 from mini_grpo.config import ConfigError
 from mini_grpo.rewards import resolve_reward
 from mini_grpo.rewards.registry import ROW_SLOTS, is_async
+from mini_grpo.threads import DaemonThreadPool
 
 log = logging.getLogger("mini_grpo.scoring")
 
@@ -197,51 +196,6 @@ def _ready() -> bool:
     return True
 
 
-class _DaemonThreadPool(Executor):
-    """A thread pool of daemon threads, taking calls in submission order.
-
-    ThreadPoolExecutor joins its threads when the interpreter exits, even after
-    shutdown(wait=False), so a plugin call that never returns would keep the trainer alive
-    forever. A daemon thread is dropped at exit instead.
-    """
-
-    def __init__(self, workers: int):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"reward-{i}", daemon=True)
-                         for i in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:  # KeyboardInterrupt: re-raised by future.result()
-                    future.set_exception(e)
-
-    def submit(self, fn, /, *args) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Idle threads exit now, busy ones when their call returns (hung ones never do)."""
-        while cancel_futures:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        for _ in self._threads:
-            self._queue.put(None)
-        if wait:
-            for t in self._threads:
-                t.join()
-
-
 class RewardScorer:
     """Weighted reward plugins over one executor; names resolve (and pools start) at once."""
 
@@ -296,7 +250,7 @@ class RewardScorer:
     def _start_pool(self) -> None:
         if self.executor != "process":
             # serial too: with the call in a helper thread, this one can stop waiting for it
-            self._pool = _DaemonThreadPool(self._slots)
+            self._pool = DaemonThreadPool(self._slots)
             return
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(
             "spawn"), initializer=_init_worker, initargs=(self.fns,))

@@ -1,0 +1,53 @@
+"""DaemonThreadPool: the reward scorer's thread pool, whose threads never keep the trainer
+from exiting (a plugin call that never returns is abandoned, not waited for)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Executor, Future
+
+
+class DaemonThreadPool(Executor):
+    """A thread pool of daemon threads, taking calls in submission order.
+
+    ThreadPoolExecutor joins its threads when the interpreter exits, even after
+    shutdown(wait=False), so a plugin call that never returns would keep the trainer alive
+    forever. A daemon thread is dropped at exit instead.
+    """
+
+    def __init__(self, workers: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"reward-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # KeyboardInterrupt: re-raised by future.result()
+                    future.set_exception(e)
+
+    def submit(self, fn, /, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Idle threads exit now, busy ones when their call returns (hung ones never do)."""
+        while cancel_futures:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
