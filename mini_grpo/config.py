@@ -142,6 +142,9 @@ class GRPOConfig:
     # of them (FSDP2), for models that do not fit one device (mini_grpo/fsdp.py)
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     fsdp_cpu_offload: bool = False  # fsdp: shards, gradients and optimizer step in CPU memory
+    # fsdp: ranks one copy of the model is sharded over (HSDP: shard within a node, replicate
+    # across nodes, e.g. 8); 0 = all of them
+    fsdp_shard_size: int = 0
 
     # ---- precision and speed ----
     # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
@@ -184,7 +187,7 @@ class GRPOConfig:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         non_negative = ["lr", "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "beta",
                         "epsilon_low", "epsilon_high", "top_k", "sft_steps", "num_threads",
-                        "rft_num_prompts", "rft_sft_steps", "rft_lr"]
+                        "rft_num_prompts", "rft_sft_steps", "rft_lr", "fsdp_shard_size"]
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -32,10 +32,12 @@ def _sharded(model) -> bool:
 
 
 def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype | None = None,
-          cpu_offload: bool = False) -> torch.nn.Module:
-    """`model` sharded over every rank (in place). `param_dtype` bf16: parameters gathered in
-    bf16, gradients reduced in fp32 (MixedPrecisionPolicy); `cpu_offload`: the shards, their
-    gradients and the optimizer step live in CPU memory (CPUOffloadPolicy)."""
+          cpu_offload: bool = False, shard_size: int = 0) -> torch.nn.Module:
+    """`model` sharded over every rank (in place), or with `shard_size` over groups of that
+    many ranks and replicated across the groups (HSDP: a 2-D mesh). `param_dtype` bf16:
+    parameters gathered in bf16, gradients reduced in fp32 (MixedPrecisionPolicy);
+    `cpu_offload`: the shards, their gradients and the optimizer step live in CPU memory
+    (CPUOffloadPolicy)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -44,7 +46,13 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
         fully_shard,
     )
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    shard_size = shard_size or world
+    if world % shard_size:
+        raise ValueError(f"fsdp_shard_size: {shard_size} does not divide the {world} ranks")
+    mesh = init_device_mesh(device.type, (world,)) if shard_size == world else \
+        init_device_mesh(device.type, (world // shard_size, shard_size),
+                         mesh_dim_names=("replicate", "shard"))
     kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,

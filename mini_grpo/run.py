@@ -128,7 +128,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
         if cfg.parallelism == "fsdp" and dist.world_size > 1:
             net, comm = fsdp.shard(model, device, _fsdp_dtype(cfg, precision),
-                                   cfg.fsdp_cpu_offload), None
+                                   cfg.fsdp_cpu_offload, cfg.fsdp_shard_size), None
         else:
             net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
         logger = open_run_dir(cfg, tok) if log and dist.is_main else None
@@ -162,6 +162,9 @@ def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
     """Combinations that would only fail deep inside the run, refused at the start."""
     if cfg.parallelism == "fsdp" and cfg.compile_model:
         raise ConfigError("compile_model: not supported with parallelism: fsdp yet")
+    if cfg.fsdp_shard_size and dist.world_size % cfg.fsdp_shard_size:
+        raise ConfigError(f"fsdp_shard_size: {cfg.fsdp_shard_size} does not divide the "
+                          f"{dist.world_size} processes")
     for key in ("prompts_per_step", "sft_batch_size"):
         if getattr(cfg, key) < dist.world_size:
             raise ConfigError(f"{key}: {getattr(cfg, key)} is smaller than the number of "

@@ -30,6 +30,7 @@ def build(family: str):
 
 
 def main(out_path: str, parallelism: str) -> None:
+    """parallelism: ddp, fsdp, or hsdp (fsdp with shards of 1 rank, replicated on 2)."""
     dist = D.init()
     torch.set_num_threads(1)
     W = dist.world_size
@@ -39,9 +40,10 @@ def main(out_path: str, parallelism: str) -> None:
     out = {}
     for family in ("gpt", "llama"):
         model = build(family)
-        sharded = parallelism == "fsdp" and W > 1
+        sharded = parallelism in ("fsdp", "hsdp") and W > 1
         if sharded:
-            net = fsdp.shard(model, torch.device("cpu"))
+            net = fsdp.shard(model, torch.device("cpu"), shard_size=1 if parallelism == "hsdp"
+                             else 0)
         else:
             net, _ = D.wrap_ddp(model, torch.device("cpu"))
         opt = make_optimizer(model, 1e-2)

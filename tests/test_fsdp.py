@@ -28,6 +28,7 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
     one = worker(tmp_path, "ddp", 1)
     ddp = worker(tmp_path, "ddp", 2)
     fsdp = worker(tmp_path, "fsdp", 2)
+    hsdp = worker(tmp_path, "hsdp", 2)  # 2 replicas of a model sharded over 1 rank each
     for family in ("gpt", "llama"):
         assert fsdp[f"{family}/passes"][0] != fsdp[f"{family}/passes"][1]  # padding ran
         init = build(family).state_dict()
@@ -36,13 +37,14 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
         for name, want in one[family].items():
             # DDP itself differs from one process by rounding (~2e-5 after AdamW rescales
             # tiny gradients); FSDP must stay as close
-            for other in (ddp, fsdp):
+            for other in (ddp, fsdp, hsdp):
                 torch.testing.assert_close(other[family][name], want, rtol=0, atol=1e-4,
                                            msg=f"{family} {name}")
             torch.testing.assert_close(fsdp[family][name], ddp[family][name], rtol=0,
                                        atol=1e-4, msg=f"{family} {name}")
-        # each rank holds about half of what a DDP rank holds
+        # each rank holds about half of what a DDP rank holds (under HSDP over 1 rank: all)
         full = ddp[f"{family}/memory"][0]
+        assert hsdp[f"{family}/memory"][0] == full
         for rank_mem in fsdp[f"{family}/memory"]:
             for key in ("params", "grads", "optimizer"):
                 assert 0.4 * full[key] <= rank_mem[key] <= 0.6 * full[key], (family, key)
