@@ -8,6 +8,12 @@ leaves a broken newest checkpoint, and a file that still fails to load is skippe
 A failed write (disk full, I/O error) removes its temp file, leaves older checkpoints alone and
 raises CheckpointWriteError with one line; temps left by killed writers are removed by
 clean_stale_temps (the trainer calls it at start) and by every save into that directory.
+
+Under fsdp a GRPO checkpoint is a directory `step_NNNNNNN.dcp` instead (fsdp.save_sharded):
+every rank writes its shards with torch.distributed.checkpoint into `.step_NNNNNNN.dcp.tmp`,
+rank 0 adds `meta.pt` (everything but the weights and optimizer state) and renames it into
+place. `load_checkpoint` returns its meta with "sharded": the directory's path; one without
+DCP's `.metadata` or `meta.pt` (cut short) is skipped like a corrupt file.
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 _TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")
+_TEMP_DIR = re.compile(r"^\.step_\d+\.dcp\.tmp$")  # all ranks write it: no pid to check
 
 
 class CheckpointError(ValueError):
@@ -55,10 +63,18 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
             raise
         raise CheckpointWriteError(f"cannot write checkpoint {path}: {_reason(e)}") from e
+    prune(directory, keep)
+    return path
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Removes all but the newest `keep` checkpoints (0: keeps all)."""
     if keep > 0:
         for old in list_checkpoints(directory)[:-keep]:
-            old.unlink(missing_ok=True)
-    return path
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
 
 def clean_stale_temps(directory: str | Path) -> list[Path]:
@@ -70,6 +86,10 @@ def clean_stale_temps(directory: str | Path) -> list[Path]:
         return []
     removed = []
     for p in directory.iterdir():
+        if _TEMP_DIR.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            continue
         m = _TEMP.match(p.name)
         if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
             with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
@@ -133,6 +153,8 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict[str, Any]:
     """Loads one checkpoint; a missing or unreadable file is a CheckpointError naming it."""
     path = Path(path)
+    if path.is_dir() and path.suffix == ".dcp":
+        return _sharded_meta(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
@@ -143,6 +165,20 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no 'model' entry)")
     return state
+
+
+def _sharded_meta(path: Path) -> dict[str, Any]:
+    if not (path / ".metadata").is_file() or not (path / "meta.pt").is_file():
+        raise CheckpointError(f"{path}: a sharded checkpoint cut short (no .metadata or "
+                              f"meta.pt)")
+    try:
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load meta.pt ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(meta, dict) or "kind" not in meta:
+        raise CheckpointError(f"{path}: not a mini-grpo checkpoint (meta.pt has no 'kind')")
+    return {**meta, "sharded": str(path)}
 
 
 def latest_checkpoint(directory: str | Path, map_location="cpu"):

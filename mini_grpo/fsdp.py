@@ -162,3 +162,68 @@ def equal_passes(count: int) -> int:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
+                 directory, step: int, keep: int = 0):
+    """A GRPO checkpoint as a directory of shards (every rank writes its own, with
+    torch.distributed.checkpoint) plus rank 0's meta.pt, renamed into place once complete;
+    keeps the newest `keep`. A collective: every rank calls it. Returns the path."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from .checkpoint import _fsync_dir, clean_stale_temps, prune
+
+    directory = Path(directory)
+    final = directory / f"step_{step:07d}.dcp"
+    tmp = directory / f".{final.name}.tmp"
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        clean_stale_temps(directory)
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    if dist.get_rank() == 0:
+        torch.save(meta, tmp / "meta.pt")
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        prune(directory, keep)
+    dist.barrier()
+    return final
+
+
+def load_sharded(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
+    """Loads a sharded checkpoint's weights (and optimizer state) into `model`, however it is
+    parallelised now and over however many ranks: DCP reads each rank's part (resharding)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(model)}
+    if opt is not None:
+        state["optim"] = get_optimizer_state_dict(model, opt)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    if opt is not None:
+        set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def sharded_shapes(path) -> dict[str, torch.Size]:
+    """{weight name: shape} of a sharded checkpoint's model, from its metadata alone."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): v.size for k, v in meta.items()
+            if k.startswith("model.") and hasattr(v, "size")}

@@ -23,7 +23,7 @@ from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
 from .sft import train_sft
 from .tasks import load_jsonl
-from .trainer import train_grpo
+from .trainer import resume_weights, train_grpo
 
 STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft")}
 
@@ -52,7 +52,7 @@ def train(cfg) -> dict:
             with fsdp.full_params(run.model):
                 result = before_grpo(run, resume)
             if resume is not None:
-                fsdp.load_model_state(run.model, resume["model"])
+                resume_weights(run.model, resume)
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
             train_grpo(run, resume)
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
@@ -109,7 +109,8 @@ def check_resume(run: Run, state: dict, path: str) -> None:
     """Refuses a checkpoint this run cannot continue (exit 2 naming the keys); logs the
     options that changed and may (lr, max_steps, ...)."""
     cfg, saved = run.cfg, state.get("config")
-    if state.get("kind") != "grpo" or "optimizer" not in state or not isinstance(saved, dict):
+    if state.get("kind") != "grpo" or not ("optimizer" in state or state.get("sharded")) \
+            or not isinstance(saved, dict):
         raise CheckpointError(f"{path}: a {state.get('kind', 'non-GRPO')} checkpoint cannot be "
                               f"resumed as GRPO; start from its weights with --init_from={path}")
     if state.get("tokenizer") != run.tok.state():

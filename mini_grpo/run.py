@@ -196,7 +196,7 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None,
     `init_from` (a Hugging Face directory, or one of our checkpoints), else our GPT from the
     config's fields with the task's alphabet, randomly initialised from the seed."""
     source = "checkpoint"
-    if checkpoint is None and cfg.init_from and Path(cfg.init_from).is_dir():
+    if checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
         model = load_hf_model(cfg.init_from, dtype=torch.float32)  # fp32 master weights
         try:
             tok = HFTokenizer.from_dir(cfg.init_from)
@@ -214,7 +214,9 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None,
             gpt_spec(cfg, tok.vocab_size)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = build(spec)
-        if checkpoint is not None:
+        if checkpoint is not None and checkpoint.get("sharded"):
+            fsdp.load_sharded(checkpoint["sharded"], model)  # shapes checked from metadata
+        elif checkpoint is not None:
             load_weights(model, checkpoint["model"], source)
     try:
         tok.configure_chat(cfg.chat_template, cfg.system_prompt)
@@ -225,6 +227,11 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None,
                           f"sequence ({model.cfg.block_size})")
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model, tok
+
+
+def is_model_dir(path: str) -> bool:
+    """A Hugging Face model directory (not one of our sharded checkpoints, also directories)."""
+    return Path(path).is_dir() and Path(path).suffix != ".dcp"
 
 
 def stored_tokenizer(state: dict, source: str) -> Tokenizer:
@@ -240,6 +247,9 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
     before specs were stored, our GPT from the config's fields."""
     spec = state.get("model_spec") or gpt_spec(cfg, tok.vocab_size)
     weights = state.get("model")
+    if state.get("sharded"):  # names and shapes from DCP's metadata, nothing read yet
+        weights = {k: torch.empty(s, device="meta")
+                   for k, s in fsdp.sharded_shapes(state["sharded"]).items()}
     if not isinstance(weights, dict):
         raise CheckpointError(f"{source}: no model weights")
     try:
@@ -279,7 +289,7 @@ def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOC
     describes must match the stored weights' shapes before anything is allocated: the
     comparison runs on the meta device.
     """
-    if Path(path).is_dir():  # a Hugging Face directory: the defaults, its model and tokenizer
+    if is_model_dir(path):  # a Hugging Face directory: the defaults, its model and tokenizer
         try:
             return None, load_config(None, {**overrides, "init_from": path}, env={})
         except ConfigError as e:
@@ -301,7 +311,7 @@ def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOC
                                   f"checkpoint: name the rewards yourself, e.g. "
                                   f"--rewards='[{{name: {foreign[0]}}}]', or --rewards=null "
                                   f"for the task's defaults")
-    checkpoint_spec(state, cfg, tok, path)
+    checkpoint_spec(state, cfg, tok, path)  # sharded: the shards are read by build_policy
     return state, cfg
 
 

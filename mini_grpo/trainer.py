@@ -59,8 +59,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
     def restore() -> str:  # the guard's "restore" rung
         path, state = latest_checkpoint(ckpt_dir)
-        fsdp.load_model_state(model, state["model"])
-        fsdp.load_optim_state(model, opt, state["optimizer"])
+        resume_weights(model, state, opt)
         return str(path)
 
     if run.logger:
@@ -155,9 +154,18 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
             states = D.all_gather_object(rng_state(gen))  # every rank's sampling RNG
-            weights, optim = fsdp.model_state(model), fsdp.optim_state(model, opt)
-            if dist.is_main:
-                save_grpo_checkpoint(run, weights, optim, scaler, guard, step, states)
+            meta = {"kind": "grpo", "scaler": scaler.state_dict(), "guard": guard.state_dict(),
+                    "step": step, "rng": states, **run.identity()}
+            if run.sharded:  # every rank writes its shards, if every rank's are finite
+                bad = (~params_finite(model.parameters())).float().reshape(1)
+                if D.all_reduce_max(bad).item() == 0:
+                    fsdp.save_sharded(model, opt, meta, ckpt_dir, step, cfg.keep_checkpoints)
+                elif run.logger:
+                    run.logger.event(step, "parameters are not finite: checkpoint NOT written")
+            else:
+                weights, optim = fsdp.model_state(model), fsdp.optim_state(model, opt)
+                if dist.is_main:
+                    save_grpo_checkpoint(run, {**meta, "model": weights, "optimizer": optim})
             D.barrier()
 
 
@@ -294,24 +302,31 @@ def _skipped(run, guard: Guard, scaler, step: int, ckpt_dir: Path, restore):
     return run.precision.scaler(guard.amp) if guard.amp != amp else scaler
 
 
+def resume_weights(model, state: dict, opt=None) -> None:
+    """A checkpoint's weights (and optimizer state) into `model`, however either is sharded."""
+    if state.get("sharded"):
+        fsdp.load_sharded(state["sharded"], model, opt)
+        return
+    fsdp.load_model_state(model, state["model"])
+    if opt is not None:
+        fsdp.load_optim_state(model, opt, state["optimizer"])
+
+
 def _continue_from(state: dict, guard: Guard, model, opt, gen, dist) -> int:
     """Optimizer, guard and this rank's RNG from a GRPO checkpoint; returns its step."""
-    fsdp.load_optim_state(model, opt, state["optimizer"])
+    resume_weights(model, state, opt)
     guard.load_state_dict(state.get("guard", {}))
     set_rng_state(state["rng"][min(dist.rank, len(state["rng"]) - 1)], gen)
     return state["step"]
 
 
-def save_grpo_checkpoint(run, weights: dict, optim: dict, scaler, guard: Guard, step: int,
-                         rng_states: list):
+def save_grpo_checkpoint(run, state: dict):
     """Writes a checkpoint (full weights and optimizer state, fsdp.model_state/optim_state)
     only from finite parameters (a NaN must never reach the disk)."""
     cfg = run.cfg
-    if not params_finite(weights.values()):
-        print(f"[mini-grpo] step {step}: parameters are not finite, checkpoint NOT written")
+    if not params_finite(state["model"].values()):
+        print(f"[mini-grpo] step {state['step']}: parameters are not finite, checkpoint NOT "
+              f"written")
         return None
-    state = {"kind": "grpo", "model": weights, "optimizer": optim,
-             "scaler": scaler.state_dict(), "guard": guard.state_dict(), "step": step,
-             "rng": rng_states, **run.identity()}
-    return save_checkpoint(state, Path(cfg.out_dir) / "checkpoints", step,
+    return save_checkpoint(state, Path(cfg.out_dir) / "checkpoints", state["step"],
                            keep=cfg.keep_checkpoints)

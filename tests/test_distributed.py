@@ -68,8 +68,10 @@ def test_killed_rank_restarts_and_resumes_from_the_checkpoint(tmp_path, parallel
     assert "[fault] rank 1 exits abruptly at step 3" in r.stdout
     assert "resuming GRPO from step 2" in r.stdout
     assert set(json.loads((out / "eval.json").read_text())) == {"before", "after", "baselines"}
-    assert load_checkpoint(out / "checkpoints" / "step_0000004.pt")["step"] == 4
-    params = load_checkpoint(out / "checkpoints" / "step_0000004.pt")["model"]
+    last = list_checkpoints(out / "checkpoints")[-1]  # a .pt file, or fsdp's .dcp shards
+    assert last.stem == "step_0000004" and load_checkpoint(last)["step"] == 4
+    from safetensors.torch import load_file
+    params = load_file(out / "hf" / "model.safetensors")  # the final weights, exported
     assert all(torch.isfinite(p).all() for p in params.values())
 
 

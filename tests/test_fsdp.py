@@ -54,24 +54,37 @@ TINY = ["--config", "tiny", "--mode=grpo", "--use_amp=false", "--reward_executor
         "--parallelism=fsdp"]
 
 
-def test_a_fsdp_run_checkpoints_and_resumes_also_on_fewer_ranks(tmp_path):
+def test_a_fsdp_run_checkpoints_in_shards_and_resumes_also_on_fewer_ranks(tmp_path):
+    from safetensors.torch import load_file
+
     straight, split = tmp_path / "straight", tmp_path / "split"
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={straight}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 1 holds (fsdp over 2)" in r.stdout
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={split}", "--max_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(split / "checkpoints")] == ["step_0000002.dcp"]
+    # a later save cut short by a kill: skipped with a warning
+    (split / "checkpoints" / "step_0000003.dcp").mkdir()
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={split}")  # resumes: 2 -> 4
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming GRPO from step 2" in r.stdout
-    a, b = (load_checkpoint(list_checkpoints(d / "checkpoints")[-1]) for d in (straight, split))
-    assert a["step"] == b["step"] == 4
-    for k in a["model"]:
-        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=0, atol=0, msg=k)
-    # the full-state checkpoint continues in one process
+    assert "resuming GRPO from step 2" in r.stdout and "cut short" in r.stderr
+    a, b = (load_file(d / "hf" / "model.safetensors") for d in (straight, split))
+    for k in a:  # the final weights, exactly as if never interrupted
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+    assert load_checkpoint(list_checkpoints(split / "checkpoints")[-1])["step"] == 4
+    # the shards continue in one process (DCP reshards them), and the CLI reads them
     r = subprocess.run([sys.executable, "distributed_train.py", *TINY, f"--out_dir={split}",
                         "--max_steps=5"], cwd=ROOT, capture_output=True, text=True,
                        env=clean_env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming GRPO from step 4" in r.stdout
     assert [m["step"] for m in metrics(split) if "reward/mean" in m][-1] == 5
+    ckpt = split / "checkpoints" / "step_0000004.dcp"
+    r = subprocess.run([sys.executable, "-m", "mini_grpo", "export", "--checkpoint", str(ckpt),
+                        "--output", str(tmp_path / "hf")], cwd=ROOT, capture_output=True,
+                       text=True, env=clean_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = load_file(tmp_path / "hf" / "model.safetensors")  # step 4's weights
+    for k in a:
+        torch.testing.assert_close(exported[k], a[k], rtol=0, atol=0, msg=k)
