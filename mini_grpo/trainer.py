@@ -153,20 +153,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # a checkpoint only from a step whose update went through: "restore" must go back
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
-            states = D.all_gather_object(rng_state(gen))  # every rank's sampling RNG
-            meta = {"kind": "grpo", "scaler": scaler.state_dict(), "guard": guard.state_dict(),
-                    "step": step, "rng": states, **run.identity()}
-            if run.sharded:  # every rank writes its shards, if every rank's are finite
-                bad = (~params_finite(model.parameters())).float().reshape(1)
-                if D.all_reduce_max(bad).item() == 0:
-                    fsdp.save_sharded(model, opt, meta, ckpt_dir, step, cfg.keep_checkpoints)
-                elif run.logger:
-                    run.logger.event(step, "parameters are not finite: checkpoint NOT written")
-            else:
-                weights, optim = fsdp.model_state(model), fsdp.optim_state(model, opt)
-                if dist.is_main:
-                    save_grpo_checkpoint(run, {**meta, "model": weights, "optimizer": optim})
-            D.barrier()
+            save_grpo_checkpoint(run, opt, scaler, guard, step, gen)
 
 
 @dataclass
@@ -320,13 +307,23 @@ def _continue_from(state: dict, guard: Guard, model, opt, gen, dist) -> int:
     return state["step"]
 
 
-def save_grpo_checkpoint(run, state: dict):
-    """Writes a checkpoint (full weights and optimizer state, fsdp.model_state/optim_state)
-    only from finite parameters (a NaN must never reach the disk)."""
-    cfg = run.cfg
-    if not params_finite(state["model"].values()):
-        print(f"[mini-grpo] step {state['step']}: parameters are not finite, checkpoint NOT "
-              f"written")
-        return None
-    return save_checkpoint(state, Path(cfg.out_dir) / "checkpoints", state["step"],
-                           keep=cfg.keep_checkpoints)
+def save_grpo_checkpoint(run, opt, scaler, guard: Guard, step: int, gen) -> None:
+    """A checkpoint of every rank's state (a collective), written only from finite parameters
+    (a NaN must never reach the disk): under fsdp every rank writes its shards
+    (fsdp.save_sharded), else rank 0 one file of the full state."""
+    model, cfg = run.model, run.cfg
+    states = D.all_gather_object(rng_state(gen))  # every rank's sampling RNG
+    meta = {"kind": "grpo", "scaler": scaler.state_dict(), "guard": guard.state_dict(),
+            "step": step, "rng": states, **run.identity()}
+    bad = D.all_reduce_max((~params_finite(model.parameters())).float().reshape(1))
+    if bad.item():
+        run.print0(f"[mini-grpo] step {step}: parameters are not finite, checkpoint NOT written")
+    elif run.sharded:
+        fsdp.save_sharded(model, opt, meta, Path(cfg.out_dir) / "checkpoints", step,
+                          cfg.keep_checkpoints)
+    else:
+        weights, optim = fsdp.model_state(model), fsdp.optim_state(model, opt)
+        if run.dist.is_main:
+            save_checkpoint({**meta, "model": weights, "optimizer": optim},
+                            Path(cfg.out_dir) / "checkpoints", step, keep=cfg.keep_checkpoints)
+    D.barrier()
