@@ -162,7 +162,8 @@ class GRPOConfig:
     compile_model: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     fused_optimizer: bool = True  # fused AdamW kernel; false = the per-parameter loop
-    offload_reference: bool = False  # keep the reference model's weights on CPU
+    # keep the reference model's weights on CPU (under fsdp: instead of sharding them)
+    offload_reference: bool = False
     num_threads: int = 0  # torch intra-op threads per process; 0 = cores / local ranks
     # CPU runs (glibc): keep freed memory for reuse instead of handing big tensors back to the
     # OS, whose page faults on every fresh buffer cost 1.4x on the production model's policy

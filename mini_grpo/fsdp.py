@@ -86,6 +86,13 @@ def full_params(model: torch.nn.Module):
             m.set_reshard_after_forward(True, recurse=False)
 
 
+def release(model: torch.nn.Module) -> None:
+    """Frees the weights a sharded model's root still holds gathered after a forward pass
+    that no backward follows (the blocks free theirs after their own forward)."""
+    if _sharded(model):
+        model.reshard()
+
+
 def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -8,11 +8,12 @@ device the same code path runs with no copy (which is how the tests exercise it)
 
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 
 import torch
 from torch.func import functional_call
 
+from . import fsdp
 from .logprobs import completion_logprobs
 
 
@@ -32,8 +33,10 @@ class _Streamed(torch.nn.Module):
 
 
 class Reference:
-    def __init__(self, model: torch.nn.Module, device: torch.device, offload: bool = False):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+    def __init__(self, model: torch.nn.Module, device: torch.device, offload: bool = False,
+                 copy: bool = True):
+        """`copy=False`: `model` is already a frozen copy (a sharded one under fsdp)."""
+        self.model = (deepcopy(model) if copy else model).eval().requires_grad_(False)
         self.offload = offload
         self.device = device
         if offload:
@@ -53,6 +56,8 @@ class Reference:
         args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                 prompt_index)
         if not self.offload:
-            return completion_logprobs(self.model, *args)
+            lp = completion_logprobs(self.model, *args)
+            fsdp.release(self.model)  # sharded: no backward frees the root's gathered weights
+            return lp
         state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}
         return completion_logprobs(_Streamed(self.model, state), *args)

@@ -62,18 +62,25 @@ class Run:
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
-        Under fsdp a full, unsharded copy on every rank (offload_reference: in CPU memory)."""
-        if not self.cfg.beta:
+        Under fsdp sharded like the policy (its passes are collectives, as the policy's), or
+        with offload_reference a full copy in CPU memory, streamed to the device per pass."""
+        cfg = self.cfg
+        if not cfg.beta:
             return
-        model = self.model
-        if self.sharded:
-            state = fsdp.model_state(self.model, everywhere=True)  # a collective
-            with torch.device("meta"):
-                model = build(spec(self.model))
-            model.load_state_dict(state, assign=True)
-            if model.tied_head():
-                model.lm_head.weight = model.get_parameter(model.tied_head())
-        self.reference = Reference(model, self.device, self.cfg.offload_reference)
+        if not self.sharded:
+            self.reference = Reference(self.model, self.device, cfg.offload_reference)
+            return
+        state = fsdp.model_state(self.model, everywhere=True)  # a collective
+        with torch.device("meta"):
+            model = build(spec(self.model))
+        model.load_state_dict(state, assign=True)
+        if model.tied_head():
+            model.lm_head.weight = model.get_parameter(model.tied_head())
+        if not cfg.offload_reference:
+            model.requires_grad_(False)
+            fsdp.shard(model, self.device, _fsdp_dtype(cfg, self.precision),
+                       cfg.fsdp_cpu_offload, cfg.fsdp_shard_size)
+        self.reference = Reference(model, self.device, cfg.offload_reference, copy=False)
 
     @property
     def sharded(self) -> bool:

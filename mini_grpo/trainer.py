@@ -100,6 +100,9 @@ def train_grpo(run, resume: dict | None = None) -> None:
                 with run.precision.autocast(enabled=guard.amp):
                     ref_lp[rows_, :cids.size(1)] = run.reference.logprobs(
                         pids, pm, cids, cm, cfg.temperature, index)
+            for _ in range(pad if run.sharded and not cfg.offload_reference else 0):
+                with run.precision.autocast(enabled=guard.amp):  # fsdp: as many as the others
+                    run.reference.logprobs(pids, pm, cids, cm, cfg.temperature, index)
         times["reference"] = time.perf_counter() - t0
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
