@@ -132,8 +132,11 @@ def load_optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: 
     """Loads `optim_state`'s output, whichever parallelism saved it."""
     if "by_name" not in state:
         if _sharded(model):
-            raise ValueError("a DDP checkpoint's optimizer state cannot be loaded under "
-                             "fsdp yet: resume it with parallelism: ddp")
+            from .checkpoint import CheckpointError
+
+            raise CheckpointError("a checkpoint saved without fsdp (one .pt file) cannot be "
+                                  "resumed under fsdp: resume it with parallelism: ddp, or "
+                                  "start from its weights with init_from")
         opt.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

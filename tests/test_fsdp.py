@@ -88,3 +88,12 @@ def test_a_fsdp_run_checkpoints_in_shards_and_resumes_also_on_fewer_ranks(tmp_pa
     exported = load_file(tmp_path / "hf" / "model.safetensors")  # step 4's weights
     for k in a:
         torch.testing.assert_close(exported[k], a[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(tmp_path):
+    out = tmp_path / "run"
+    r = torchrun("distributed_train.py", *TINY[:-1], f"--out_dir={out}", "--max_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun("distributed_train.py", *TINY, f"--out_dir={out}")
+    assert r.returncode != 0  # each rank exits 2 with the line; torchrun then exits 1
+    assert "saved without fsdp (one .pt file), it cannot be resumed under fsdp" in r.stderr
