@@ -176,7 +176,7 @@ def eval_both(run: Run, step: int) -> dict:
     for greedy in (True, False):
         name = "greedy" if greedy else "sampled"
         t0 = time.perf_counter()
-        ev = evaluate(run, greedy=greedy, seed=run.cfg.seed)
+        ev = evaluate(run, greedy=greedy, seed=run.cfg.seed, amp=run.amp)
         out[name] = ev
         if run.logger:
             run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"},

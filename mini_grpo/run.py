@@ -59,6 +59,7 @@ class Run:
     scorer: RewardScorer | None
     logger: RunLogger | None  # rank 0 of a training run only
     reference: Reference | None = None
+    amp: bool = True  # autocast still trusted: the guard's verdict at the end of a stage
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).

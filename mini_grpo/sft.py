@@ -125,6 +125,7 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
                 eta = dt / step * (steps - step)
                 print(f"[{tag}] step {step}/{steps} loss {m['loss']:.4f} lr {lr:.2e} "
                       f"{m['tokens_per_s']:.0f} tok/s ETA {eta / 60:.1f}m", flush=True)
+    run.amp = guard.amp  # evaluations after this stage run without autocast if it was cut
     if not params_finite(model.parameters()):
         raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
                              f"(lr {base_lr:g} too high?); nothing was saved")

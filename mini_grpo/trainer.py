@@ -157,6 +157,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
             save_grpo_checkpoint(run, opt, scaler, guard, step, gen)
+    run.amp = guard.amp  # the final evaluation runs without autocast if the guard turned it off
 
 
 @dataclass

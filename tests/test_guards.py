@@ -124,8 +124,13 @@ def test_a_resumed_run_keeps_amp_off_and_the_lr_halved(tmp_path, monkeypatch):
         dtype = "bfloat16"
     monkeypatch.setenv("MINI_GRPO_NAN_STEPS", "2,3")
     over = dict(use_amp=True, amp_dtype=dtype, guard_patience=1, save_every=4)
+    import mini_grpo.job as job
+    calls, real = [], job.evaluate
+    monkeypatch.setattr(job, "evaluate", lambda run, **kw: calls.append(kw["amp"]) or
+                        real(run, **kw))
     train(tiny(tmp_path / "run", max_steps=4, **over))
     monkeypatch.delenv("MINI_GRPO_NAN_STEPS")
+    assert calls == [True, True, False, False]  # before GRPO, then after AMP was cut
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_0000004.pt")
     assert state["guard"]["amp"] is False and state["guard"]["lr_scale"] == 0.5
     train(tiny(tmp_path / "run", max_steps=6, **over))
