@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from . import distributed as D
 from . import fsdp
 from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
 from .config import ConfigError, load_config
@@ -21,7 +22,7 @@ from .evaluate import evaluate, format_table, trivial_baselines
 from .models.hf import export_dtype, save_hf
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
-from .sft import train_sft
+from .sft import stage_changes, train_sft
 from .tasks import load_jsonl
 from .trainer import resume_weights, train_grpo
 
@@ -157,6 +158,18 @@ def run_rft(run: Run) -> None:
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
+    stamp = data.with_name("config.json")  # the options the data was generated with
+    if run.dist.is_main and data.parent.is_dir():
+        changed = stage_changes(json.loads(stamp.read_text()), cfg, "rft_data") \
+            if stamp.is_file() else ["config (none saved)"]
+        if changed and any(data.parent.glob("data.jsonl*")):
+            run.print0(f"[rft] not resuming {data}: generated with other {', '.join(changed)}")
+            for f in data.parent.glob("data.jsonl*"):  # the file and the ranks' parts
+                f.unlink()
+    if run.dist.is_main:
+        data.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(cfg.to_dict()))
+    D.barrier()
     with fsdp.full_params(run.model):  # each rank samples alone
         generate_rft_data(run, examples, data)
     try:

@@ -35,6 +35,9 @@ STAGE_KEYS["rft"] = STAGE_KEYS["sft"] + ("rft_sft_steps", "rft_lr", "rft_oversam
                                          "rft_min_reward", "rft_keep", "rft_num_prompts",
                                          "temperature", "top_k", "top_p", "max_new_tokens",
                                          "rewards")
+# what shapes RFT's generated data (not the SFT on it): data made with others is not resumed
+STAGE_KEYS["rft_data"] = tuple(k for k in STAGE_KEYS["rft"] if k not in ("rft_sft_steps",
+                                                                          "rft_lr"))
 
 
 def sft_dir(cfg) -> Path:

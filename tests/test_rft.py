@@ -132,3 +132,17 @@ def test_rft_mode_end_to_end(tmp_path):
     with pytest.raises(Exception, match="rft_min_reward"):
         train(load_config("tiny", {"out_dir": str(tmp_path / "r2"), "mode": "rft",
                                    "sft_steps": "2", "rft_min_reward": "2.0", **OPTS}, env={}))
+
+
+def test_rft_data_made_with_other_options_is_generated_again(tmp_path, capsys):
+    base = {"out_dir": str(tmp_path), "mode": "rft", "sft_steps": "4", "rft_sft_steps": "2",
+            "rft_min_reward": "0.0", **OPTS}
+    train(load_config("tiny", base, env={}))
+    capsys.readouterr()
+    train(load_config("tiny", {**base, "rft_sft_steps": "3"}, env={}))  # the SFT on it only
+    out = capsys.readouterr().out
+    assert "not resuming" not in out and "12 already done" in out
+    train(load_config("tiny", {**base, "temperature": "0.9"}, env={}))
+    out = capsys.readouterr().out
+    assert "not resuming" in out and "generated with other temperature" in out
+    assert "0 of this rank's 12 already done" in out
