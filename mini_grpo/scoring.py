@@ -130,17 +130,19 @@ def _call(fn, lo: int, prompts, completions, targets, metas):
 
 def _call_by_row(fn, lo: int, prompts, completions, targets, metas):
     """The rewards of a call that raised, retried one row at a time: (rewards, first error)."""
-    hi = lo + len(completions)
-    arr, first_err = np.full(len(completions), np.nan), None
-    for i in range(len(completions)):
-        row, _, err = _call(fn, lo + i, prompts[i:i + 1], completions[i:i + 1],
-                            targets[i:i + 1], metas[i:i + 1])
-        if row is not None:
-            arr[i] = row[0]
-        if err is not None and first_err is None:
-            first_err = f"row {lo + i}, retried alone after the call on rows {lo}..{hi - 1} " \
-                        f"raised:\n{err}"
-    return arr, first_err
+    return _merge_rows(lo, [_call(fn, lo + i, prompts[i:i + 1], completions[i:i + 1],
+                                  targets[i:i + 1], metas[i:i + 1])
+                            for i in range(len(completions))])
+
+
+def _merge_rows(lo: int, rows: list) -> tuple[np.ndarray, str | None]:
+    """One row's _call results each, from row `lo` on -> (rewards, first error)."""
+    arr = np.array([np.nan if r is None else r[0] for r, _, _ in rows])
+    errs = [(lo + i, err) for i, (_, _, err) in enumerate(rows) if err is not None]
+    if not errs:
+        return arr, None
+    return arr, f"row {errs[0][0]}, retried alone after the call on rows " \
+                f"{lo}..{lo + len(rows) - 1} raised:\n{errs[0][1]}"
 
 
 async def _acall(fn, lo: int, prompts, completions, targets, metas, timeout: float):
@@ -161,10 +163,7 @@ async def _acall(fn, lo: int, prompts, completions, targets, metas, timeout: flo
                                                  completions[i:i + 1], targets[i:i + 1],
                                                  metas[i:i + 1], timeout)
                                           for i in range(len(completions))))
-            arr = np.array([np.nan if r[0] is None else r[0][0] for r in rows])
-            errs = [(lo + i, r[2]) for i, r in enumerate(rows) if r[2] is not None]
-            err = errs and f"row {errs[0][0]}, retried alone after the call on rows " \
-                           f"{lo}..{hi - 1} raised:\n{errs[0][1]}" or None
+            arr, err = _merge_rows(lo, rows)
     return arr, time.perf_counter() - t0, err
 
 

@@ -93,15 +93,18 @@ class Adapted:
     def __init__(self, fn, shape: str):
         self.fn, self.shape = fn, shape  # shape: "targets" | "keywords"
         self.is_async = inspect.iscoroutinefunction(fn)
+        # named parameters only columns can fill: read once, checked at each call
+        self.needs = [k for k, p in inspect.signature(fn).parameters.items()
+                      if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                             p.KEYWORD_ONLY)
+                      and k not in ("prompts", "completions", "target")]
         functools.update_wrapper(self, fn)
 
     def __call__(self, prompts, completions, targets, metas):
         cols = columns(metas)
         if self.shape == "targets":
             return self.fn(prompts, completions, targets, **cols)
-        missing = [k for k, p in inspect.signature(self.fn).parameters.items()
-                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                   and k not in cols and k not in ("prompts", "completions", "target")]
+        missing = [k for k in self.needs if k not in cols]
         if missing:
             raise TypeError(f"needs the column {missing[0]!r}, which the rows' metadata lacks "
                             f"(columns: {', '.join(cols) or 'none'})")
