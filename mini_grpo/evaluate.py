@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .rewards.text import exact_match
-from .rollout import sample
+from .rollout import sample, scored_metas
 
 
 def _summary(total, columns: dict, lengths) -> dict[str, float]:
@@ -41,12 +41,11 @@ def evaluate(run, greedy: bool, seed: int = 0, batch_size: int = 256, amp: bool 
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                        greedy=greedy, generator=gen)
         texts += r.texts
-        lengths += r.completion_mask.sum(1).tolist()
+        lengths += r.lengths()
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
-    res = run.scorer.score(prompts, texts, targets, [
-        {**ex.meta, "completion_tokens": int(n), "max_new_tokens": cfg.max_new_tokens}
-        for ex, n in zip(examples, lengths)])
+    res = run.scorer.score(prompts, texts, targets, scored_metas(
+        [ex.meta for ex in examples], lengths, cfg.max_new_tokens))
     columns = {"exact": np.asarray(exact_match(prompts, texts, targets, []), dtype=float)}
     if task.eval_columns is not None:
         columns.update(task.eval_columns(examples, texts))

@@ -6,15 +6,17 @@ are no-ops on a model that is not sharded (one process, or DDP):
     shard(model, ...)          fully_shard on each block, then on the root (in place)
     full_params(model)         every rank all-gathers the weights once, then runs forward
                                passes of its own (sampling, evaluation) with no collective
-    model_state / load_model_state, optim_state / load_optim_state
-                               full (unsharded) state dicts: checkpoints are the same files
-                               under DDP and FSDP, for any number of ranks
+    save_sharded / load_sharded
+                               GRPO checkpoints as DCP shards, resharded on load onto any
+                               number of ranks, sharded or not
+    model_state / load_model_state
+                               full (unsharded) state dicts: the SFT stage, the export
     clip_grad_norm, local_params, memory_report
 
 Every FSDP forward and backward all-gathers and reduce-scatters with the other ranks, so
 ranks must run the same number of passes (the trainer pads the rank with fewer
-micro-batches, `equal_passes`). Sampling does not: `full_params` unshards once per rollout,
-not once per decoded token.
+micro-batches to the busiest rank's count). Sampling does not: `full_params` unshards once
+per rollout, not once per decoded token.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 
-def _sharded(model) -> bool:
+def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -47,9 +49,7 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     )
 
     world = dist.get_world_size()
-    shard_size = shard_size or world
-    if world % shard_size:
-        raise ValueError(f"fsdp_shard_size: {shard_size} does not divide the {world} ranks")
+    shard_size = shard_size or world  # it divides world: run.check_world says so first
     mesh = init_device_mesh(device.type, (world,)) if shard_size == world else \
         init_device_mesh(device.type, (world // shard_size, shard_size),
                          mesh_dim_names=("replicate", "shard"))
@@ -68,7 +68,7 @@ def full_params(model: torch.nn.Module):
     """Inside, every FSDP module of `model` holds its full weights (one all-gather each, on
     every rank: a collective) and keeps them across forward passes, so a rank may run any
     number of forwards alone; on exit the gathered copies are freed."""
-    if not _sharded(model):
+    if not is_sharded(model):
         yield
         return
     from torch.distributed.fsdp import FSDPModule
@@ -89,7 +89,7 @@ def full_params(model: torch.nn.Module):
 def release(model: torch.nn.Module) -> None:
     """Frees the weights a sharded model's root still holds gathered after a forward pass
     that no backward follows (the blocks free theirs after their own forward)."""
-    if _sharded(model):
+    if is_sharded(model):
         model.reshard()
 
 
@@ -102,7 +102,7 @@ def _options(**kw):
 def model_state(model: torch.nn.Module, everywhere: bool = False) -> dict:
     """The full state dict (a collective when sharded): on CPU and on rank 0 only, unless
     `everywhere` (then on every rank, on the model's device)."""
-    if not _sharded(model):
+    if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -111,37 +111,12 @@ def model_state(model: torch.nn.Module, everywhere: bool = False) -> dict:
 
 def load_model_state(model: torch.nn.Module, state: dict) -> None:
     """Loads a full state dict that every rank holds (each keeps its shard)."""
-    if not _sharded(model):
+    if not is_sharded(model):
         model.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state, options=_options())
-
-
-def optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """The optimizer's full state (rank 0; keyed by parameter name when sharded)."""
-    if not _sharded(model):
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return {"by_name": get_optimizer_state_dict(model, opt, options=_options(cpu_offload=True))}
-
-
-def load_optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Loads `optim_state`'s output, whichever parallelism saved it."""
-    if "by_name" not in state:
-        if _sharded(model):
-            from .checkpoint import CheckpointError
-
-            raise CheckpointError("a checkpoint saved without fsdp (one .pt file) cannot be "
-                                  "resumed under fsdp: resume it with parallelism: ddp, or "
-                                  "start from its weights with init_from")
-        opt.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, opt, state["by_name"], options=_options())
 
 
 def local_params(params) -> list[torch.Tensor]:
@@ -161,17 +136,6 @@ def memory_report(model: torch.nn.Module) -> dict[str, float]:
     local = local_params(p for p in model.parameters() if p.requires_grad)
     params = sum(t.numel() * t.element_size() for t in local)
     return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local)}
-
-
-def equal_passes(count: int) -> int:
-    """The most passes any rank runs (a collective when sharded); the others pad to it."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return count
-    t = torch.tensor([count], dtype=torch.long)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,

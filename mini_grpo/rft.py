@@ -99,7 +99,8 @@ def generate_rft_data(run, examples, output: str | Path) -> dict:
                            generator=gen)
             exs = [first[p] for p in rows]
             res = scorer.score(rows, r.texts, [ex.target for ex in exs],
-                               scored_metas([ex.meta for ex in exs], r, cfg.max_new_tokens))
+                               scored_metas([ex.meta for ex in exs], r.lengths(),
+                                            cfg.max_new_tokens))
             lines = []
             for j, p in enumerate(batch):
                 cand = {}  # distinct completions of this prompt -> row index

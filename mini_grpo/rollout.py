@@ -33,6 +33,10 @@ class Rollout:
     texts: list[str] | None = None  # decoded completions, without EOS
     nonfinite: torch.Tensor | None = None  # 0-d bool: some logits were NaN/Inf while sampling
 
+    def lengths(self) -> list[int]:
+        """Each completion's length in tokens (EOS included)."""
+        return self.completion_mask.sum(1).tolist()
+
 
 def pad_left(seqs: list[list[int]], pad_id: int, device=None):
     """list of id lists -> (ids (B, P), mask (B, P) bool), right-aligned."""
@@ -151,10 +155,9 @@ def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, pad_id):
     return logits[rows]
 
 
-def scored_metas(metas: list[dict], r: Rollout, max_new_tokens: int) -> list[dict]:
+def scored_metas(metas: list[dict], lengths: list[int], max_new_tokens: int) -> list[dict]:
     """The rows' metadata for the reward scorer, with what sampling knows of each completion:
     `completion_tokens` (its length) and `max_new_tokens` (the cap it may have hit)."""
-    lengths = r.completion_mask.sum(1).tolist()
     return [{**m, "completion_tokens": int(n), "max_new_tokens": max_new_tokens}
             for m, n in zip(metas, lengths)]
 

@@ -74,12 +74,10 @@ class Run:
         state = fsdp.model_state(self.model, everywhere=True)  # a collective
         with torch.device("meta"):
             model = build(spec(self.model))
-        model.load_state_dict(state, assign=True)
-        if model.tied_head():
-            model.lm_head.weight = model.get_parameter(model.tied_head())
+        model.assign(state)
         if not cfg.offload_reference:
             model.requires_grad_(False)
-            fsdp.shard(model, self.device, _fsdp_dtype(cfg, self.precision),
+            fsdp.shard(model, self.device, _fsdp_dtype(self.precision),
                        cfg.fsdp_cpu_offload, cfg.fsdp_shard_size)
         self.reference = Reference(model, self.device, cfg.offload_reference, copy=False)
 
@@ -135,7 +133,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         model.attn_impl = attention_impl(cfg, precision)
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
         if cfg.parallelism == "fsdp" and dist.world_size > 1:
-            net, comm = fsdp.shard(model, device, _fsdp_dtype(cfg, precision),
+            net, comm = fsdp.shard(model, device, _fsdp_dtype(precision),
                                    cfg.fsdp_cpu_offload, cfg.fsdp_shard_size), None
         else:
             net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
@@ -161,7 +159,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     return run
 
 
-def _fsdp_dtype(cfg: GRPOConfig, precision: Precision) -> torch.dtype | None:
+def _fsdp_dtype(precision: Precision) -> torch.dtype | None:
     """bf16 parameters under fsdp when training runs in bf16 (gradients reduced in fp32)."""
     return torch.bfloat16 if precision.dtype == torch.bfloat16 else None
 

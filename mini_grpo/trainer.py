@@ -25,6 +25,7 @@ import torch
 from . import distributed as D
 from . import fsdp
 from .checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     rng_state,
@@ -83,7 +84,8 @@ def train_grpo(run, resume: dict | None = None) -> None:
         # ---- rewards and advantages (normalisers of the global batch)
         t0 = time.perf_counter()
         res = run.scorer.score([ex.prompt for ex in rows], r.texts, [ex.target for ex in rows],
-                               scored_metas([ex.meta for ex in rows], r, cfg.max_new_tokens))
+                               scored_metas([ex.meta for ex in rows], r.lengths(),
+                                            cfg.max_new_tokens))
         rewards = torch.tensor(res.total, dtype=torch.float32, device=device)
         times["reward"] = time.perf_counter() - t0
         batch = advantages(rewards, r.completion_mask, cfg, r.finished)
@@ -93,14 +95,15 @@ def train_grpo(run, resume: dict | None = None) -> None:
         batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)  # for both passes
         # fsdp: every forward and backward is a collective, so ranks run as many as the
         # busiest one (extra passes carry no loss)
-        pad = fsdp.equal_passes(len(batches)) - len(batches) if run.sharded else 0
+        pad = int(D.all_reduce_max(torch.tensor([len(batches)], device=device)).item()) \
+            - len(batches) if run.sharded else 0
         ref_lp = torch.zeros_like(r.logprobs)
         if run.reference is not None:
             for rows_, pids, pm, index, cids, cm in batches:
                 with run.precision.autocast(enabled=guard.amp):
                     ref_lp[rows_, :cids.size(1)] = run.reference.logprobs(
                         pids, pm, cids, cm, cfg.temperature, index)
-            for _ in range(pad if run.sharded and not cfg.offload_reference else 0):
+            for _ in range(0 if cfg.offload_reference else pad):
                 with run.precision.autocast(enabled=guard.amp):  # fsdp: as many as the others
                     run.reference.logprobs(pids, pm, cids, cm, cfg.temperature, index)
         times["reference"] = time.perf_counter() - t0
@@ -300,7 +303,10 @@ def resume_weights(model, state: dict, opt=None) -> None:
         return
     fsdp.load_model_state(model, state["model"])
     if opt is not None:
-        fsdp.load_optim_state(model, opt, state["optimizer"])
+        if fsdp.is_sharded(model):  # its optimizer state is keyed by a full model's params
+            raise CheckpointError("a checkpoint saved without fsdp (one .pt file) cannot be "
+                                  "resumed under fsdp")
+        opt.load_state_dict(state["optimizer"])
 
 
 def _continue_from(state: dict, guard: Guard, model, opt, gen, dist) -> int:
@@ -326,8 +332,7 @@ def save_grpo_checkpoint(run, opt, scaler, guard: Guard, step: int, gen) -> None
         fsdp.save_sharded(model, opt, meta, Path(cfg.out_dir) / "checkpoints", step,
                           cfg.keep_checkpoints)
     else:
-        weights, optim = fsdp.model_state(model), fsdp.optim_state(model, opt)
         if run.dist.is_main:
-            save_checkpoint({**meta, "model": weights, "optimizer": optim},
+            save_checkpoint({**meta, "model": model.state_dict(), "optimizer": opt.state_dict()},
                             Path(cfg.out_dir) / "checkpoints", step, keep=cfg.keep_checkpoints)
     D.barrier()

@@ -258,6 +258,16 @@ class CausalLM(nn.Module):
         x = self.norm_f(torch.cat([last, x[U * P:].view(B, m, x.size(-1))], 1))  # (B, N, C)
         return x if hidden else self.lm_head(x)
 
+    def assign(self, state: dict) -> None:
+        """Takes `state`'s tensors as the parameters, without copying (a model built on the
+        meta device gets real ones), keeping a tied head tied to its embedding."""
+        tied = self.tied_head()
+        if tied:
+            state = {**state, "lm_head.weight": state[tied]}
+        self.load_state_dict(state, assign=True)
+        if tied:  # assign replaced both tensors: tie them again
+            self.lm_head.weight = self.get_parameter(tied)
+
     def tied_head(self) -> str | None:
         """The name of the embedding whose weight the LM head shares, if it does."""
         for name, p in self.named_parameters(remove_duplicate=False):

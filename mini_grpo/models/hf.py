@@ -253,11 +253,7 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
                     t = sf.get_tensor(key)
                     t = t.t().contiguous() if _conv1d(family, ours) else t
                     state[ours] = t.to(dtype) if dtype is not None else t
-    if tied:
-        state["lm_head.weight"] = state[tied]
-    model.load_state_dict(state, assign=True)
-    if tied:  # assign replaced both tensors: tie them again
-        model.lm_head.weight = model.get_parameter(tied)
+    model.assign(state)
     model.hf_config = config
     return model
 
