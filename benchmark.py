@@ -27,8 +27,11 @@ both paths do the same work), the config's model with random weights; tokens/s i
 over `repeats` runs after one warm-up, the two paths interleaved so machine noise hits both.
 Rewards: see mini_grpo/rewards/bench.py. Step: real GRPO steps of the config from random
 weights (or `--init_from=CKPT`); medians over the timed steps of seconds per step and per
-phase, tokens/s, MFU, and the seconds in DDP's gradient all-reduce (`time/comm`).
-Scaling: the same global batch with 1 and 2 processes; efficiency = T1 / (2 x T2).
+phase, tokens/s, MFU, and the seconds in communication: DDP's gradient all-reduce, or FSDP's
+all-gathers and reduce-scatters in the policy update (`time/comm`) and, under fsdp, in
+sampling and the reference passes before it (`time/comm_rollout`).
+Scaling: the same global batch with 1 process, 2 with DDP and 2 with FSDP; efficiency =
+T1 / (2 x T2).
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None
     timed = [r for r in rows if "time/step" in r][warmup:]
     med = lambda key: statistics.median(h[key] for h in timed)
     step_s = [h["time/step"] for h in timed]
-    phases = ("generate", "reward", "reference", "policy", "optimizer", "comm")
+    phases = ("generate", "reward", "reference", "comm_rollout", "policy", "optimizer", "comm")
     out = {"world_size": dist.world_size, "warmup": warmup, "steps": steps,
            "prompts_per_step": c.prompts_per_step, "group_size": c.group_size,
            "params_M": round(model.num_params() / 1e6, 3), "precision": prec.describe(),
@@ -299,7 +302,7 @@ def format_step(r: dict) -> str:
              f"  trained        {r['train_tokens_per_s']:.0f} tok/s (prompt + completion)"]
     for p, v in r["phase_s"].items():
         label = {"policy": "policy update", "optimizer": "  of it: optim",
-                 "comm": "  of it: comm"}.get(p, p)
+                 "comm": "  of it: comm", "comm_rollout": "comm before it"}.get(p, p)
         lines.append(f"  {label:<14} {v:.3f}s  {100 * r['phase_share'][p]:5.1f}%")
     m = r["mfu"]
     lines += [f"  matmul peak    {m['peak_gflops_measured']:.0f} GFLOP/s ({m['dtype']}, "
@@ -336,7 +339,13 @@ def bench_scaling(args, rest) -> dict:
                 runs[name] = json.load(f)["step"]
     t1, t2, tf = (runs[k]["step_s"]["median"] for k in ("1", "2", "2-fsdp"))
     return {"runs": runs, "speedup": t1 / t2, "efficiency": t1 / (2 * t2),
-            "comm_share_2proc": runs["2"]["phase_share"]["comm"], "fsdp_speedup": t1 / tf}
+            "comm_share": {k: comm_share(v) for k, v in runs.items()}, "fsdp_speedup": t1 / tf}
+
+
+def comm_share(step: dict) -> float:
+    """The share of a step spent in collectives (overlapped with computation or not)."""
+    share = step["phase_share"]
+    return share["comm"] + share.get("comm_rollout", 0.0)
 
 
 def format_scaling(r: dict) -> str:
@@ -346,8 +355,10 @@ def format_scaling(r: dict) -> str:
         "scaling, same global batch:   1 process  2 x DDP  2 x FSDP",
         f"  seconds/step              {a['step_s']['median']:>9.3f}"
         f"  {b['step_s']['median']:>7.3f}  {c['step_s']['median']:>8.3f}",
-        f"  DDP comm share of step    {100 * a['phase_share']['comm']:>8.1f}%  "
-        f"{100 * b['phase_share']['comm']:>6.1f}%       - (not timed under fsdp)",
+        f"  comm share of step        {100 * comm_share(a):>8.1f}%  "
+        f"{100 * comm_share(b):>6.1f}%  {100 * comm_share(c):>7.1f}%",
+        f"    of it in sampling, ref  {'':>9}  {'':>7}  "
+        f"{100 * c['phase_share'].get('comm_rollout', 0.0):>7.1f}%",
         f"  peak RSS, MiB (rank 0)    {mem[0]:>9.0f}  {mem[1]:>7.0f}  {mem[2]:>8.0f}",
         f"  DDP speed-up {r['speedup']:.2f}x (efficiency {100 * r['efficiency']:.0f}%), "
         f"FSDP {r['fsdp_speedup']:.2f}x"])

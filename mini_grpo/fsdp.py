@@ -12,6 +12,7 @@ are no-ops on a model that is not sharded (one process, or DDP):
     model_state / load_model_state
                                full (unsharded) state dicts: the SFT stage, the export
     clip_grad_norm, local_params, memory_report
+    CommTimer                  the seconds in FSDP's all-gathers and reduce-scatters
 
 Every FSDP forward and backward all-gathers and reduce-scatters with the other ranks, so
 ranks must run the same number of passes (the trainer pads the rank with fewer
@@ -21,6 +22,7 @@ per rollout, not once per decoded token.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -33,13 +35,77 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
+class CommTimer:
+    """FSDP's all-gathers and reduce-scatters, issued as FSDP issues them, timed: set on every
+    FSDP module of a model as its custom collectives (`shard(..., timer=)`), it sums the
+    seconds each takes, from launch to completion: the call itself on a CPU (gloo's blocks),
+    CUDA events around it on FSDP's communication stream (summed by `pop`, which waits for
+    them). Like DDP's (distributed.CommTimer), this is time in communication, overlapped with
+    computation or not. HSDP's all-reduce across replicas is not counted."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._events: list = []
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def timed(self, device: torch.device, call):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            work = call()
+            end.record()
+            self._events.append((start, end))
+            return work
+        t0 = time.perf_counter()
+        work = call()
+        if work is None:
+            self.seconds += time.perf_counter() - t0
+        else:
+            def done(f):
+                self.seconds += time.perf_counter() - t0
+                return f.value()
+
+            work.get_future().then(done)
+        return work
+
+    def pop(self) -> float:
+        """The seconds since the last pop (waits for the CUDA collectives timed)."""
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+        self._events.clear()
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+class _TimedAllGather:
+    def __init__(self, timer: CommTimer):
+        self.timer, self.allocate = timer, timer.allocate
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return self.timer.timed(output_tensor.device, lambda: dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op))
+
+
+class _TimedReduceScatter:
+    def __init__(self, timer: CommTimer):
+        self.timer, self.allocate = timer, timer.allocate
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        return self.timer.timed(output_tensor.device, lambda: dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op))
+
+
 def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype | None = None,
-          cpu_offload: bool = False, shard_size: int = 0) -> torch.nn.Module:
+          cpu_offload: bool = False, shard_size: int = 0,
+          timer: CommTimer | None = None) -> torch.nn.Module:
     """`model` sharded over every rank (in place), or with `shard_size` over groups of that
     many ranks and replicated across the groups (HSDP: a 2-D mesh). `param_dtype` bf16:
     parameters gathered in bf16, gradients reduced in fp32 (MixedPrecisionPolicy);
     `cpu_offload`: the shards, their gradients and the optimizer step live in CPU memory
-    (CPUOffloadPolicy)."""
+    (CPUOffloadPolicy). `timer`: FSDP's collectives are timed by it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -60,6 +126,10 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)  # the rest: embeddings, final norm, LM head
+    if timer is not None:
+        for m in [*model.blocks, model]:
+            m.set_custom_all_gather(_TimedAllGather(timer))
+            m.set_custom_reduce_scatter(_TimedReduceScatter(timer))
     return model
 
 
@@ -117,6 +187,29 @@ def load_model_state(model: torch.nn.Module, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state, options=_options())
+
+
+def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Loads an optimizer state as `opt.state_dict()` writes it for a model that is not sharded
+    (keyed by parameter index: a one-process or DDP checkpoint) into `opt`, however `model` is
+    sharded now: under fsdp by parameter name, every rank keeping its shards of the moments.
+    Every rank holds `state`."""
+    if not is_sharded(model):
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from .checkpoint import CheckpointError
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    saved, now = state["param_groups"], opt.param_groups
+    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in now]:
+        raise CheckpointError("the checkpoint's optimizer state has other parameter groups "
+                              "than this model's")
+    name = {i: names[id(p)] for g, h in zip(saved, now) for i, p in zip(g["params"], h["params"])}
+    full = {"state": {name[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in saved]}
+    set_optimizer_state_dict(model, opt, full, options=_options())
 
 
 def local_params(params) -> list[torch.Tensor]:

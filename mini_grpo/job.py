@@ -114,10 +114,6 @@ def check_resume(run: Run, state: dict, path: str) -> None:
             or not isinstance(saved, dict):
         raise CheckpointError(f"{path}: a {state.get('kind', 'non-GRPO')} checkpoint cannot be "
                               f"resumed as GRPO; start from its weights with --init_from={path}")
-    if run.sharded and not state.get("sharded"):
-        raise CheckpointError(f"{path}: saved without fsdp (one .pt file), it cannot be resumed "
-                              f"under fsdp: resume with parallelism: ddp, start from its "
-                              f"weights with --init_from={path}, or use another out_dir")
     if state.get("tokenizer") != run.tok.state():
         raise CheckpointError(f"{path}: its tokenizer differs from this run's")
     try:  # resolved like a user's config: older checkpoints' keys migrate, bad ones fail

@@ -55,7 +55,7 @@ class Run:
     tok: Tokenizer
     model: CausalLM  # the bare policy: sampling, evaluation, checkpoints
     net: torch.nn.Module  # the policy as trained: compiled and/or DDP-wrapped
-    comm: D.CommTimer | None  # DDP's gradient all-reduce time, under torchrun
+    comm: D.CommTimer | fsdp.CommTimer | None  # seconds in DDP's or FSDP's collectives
     scorer: RewardScorer | None
     logger: RunLogger | None  # rank 0 of a training run only
     reference: Reference | None = None
@@ -78,7 +78,7 @@ class Run:
         if not cfg.offload_reference:
             model.requires_grad_(False)
             fsdp.shard(model, self.device, _fsdp_dtype(self.precision),
-                       cfg.fsdp_cpu_offload, cfg.fsdp_shard_size)
+                       cfg.fsdp_cpu_offload, cfg.fsdp_shard_size, self.comm)
         self.reference = Reference(model, self.device, cfg.offload_reference, copy=False)
 
     @property
@@ -133,8 +133,9 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         model.attn_impl = attention_impl(cfg, precision)
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
         if cfg.parallelism == "fsdp" and dist.world_size > 1:
-            net, comm = fsdp.shard(model, device, _fsdp_dtype(precision),
-                                   cfg.fsdp_cpu_offload, cfg.fsdp_shard_size), None
+            comm = fsdp.CommTimer()
+            net = fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
+                             cfg.fsdp_shard_size, comm)
         else:
             net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
         logger = open_run_dir(cfg, tok) if log and dist.is_main else None

@@ -25,7 +25,6 @@ import torch
 from . import distributed as D
 from . import fsdp
 from .checkpoint import (
-    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     rng_state,
@@ -110,6 +109,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
         t0 = time.perf_counter()
+        times["comm_rollout"] = run.comm.pop() if run.comm else 0.0  # fsdp: gathers so far
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps) * guard.lr_scale
         set_lr(opt, lr)
         model.train()
@@ -156,6 +156,8 @@ def train_grpo(run, resume: dict | None = None) -> None:
                     run.logger.text(step, "samples", "\n\n".join(
                         f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
                         for s in ev["samples"]))
+            if run.comm:
+                run.comm.pop()  # the evaluation's gather is not the next step's
         # a checkpoint only from a step whose update went through: "restore" must go back
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
@@ -301,12 +303,9 @@ def resume_weights(model, state: dict, opt=None) -> None:
     if state.get("sharded"):
         fsdp.load_sharded(state["sharded"], model, opt)
         return
-    fsdp.load_model_state(model, state["model"])
+    fsdp.load_model_state(model, state["model"])  # under fsdp, each rank keeps its shards
     if opt is not None:
-        if fsdp.is_sharded(model):  # its optimizer state is keyed by a full model's params
-            raise CheckpointError("a checkpoint saved without fsdp (one .pt file) cannot be "
-                                  "resumed under fsdp")
-        opt.load_state_dict(state["optimizer"])
+        fsdp.load_optimizer_state(model, opt, state["optimizer"])
 
 
 def _continue_from(state: dict, guard: Guard, model, opt, gen, dist) -> int:

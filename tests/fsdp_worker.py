@@ -1,11 +1,13 @@
 """Run by tests/test_fsdp.py as one plain process, and under torchrun with 2 ranks and DDP or
-FSDP: 3 GRPO steps of the trainer's own functions (advantages with the global normalisers,
+FSDP, or 4 ranks and HSDP (2 replicas of a model sharded over 2 ranks): 3 GRPO steps of the trainer's own functions (advantages with the global normalisers,
 the micro-batch plan, policy_pass with fsdp's padding to equal passes, clipping, fused AdamW)
 on fixed rollout batches, for our GPT and a Llama-family model with an untied head. Rank 0
 saves {family: full parameters, family/memory: each rank's memory report, family/passes:
-each rank's micro-batch counts} to argv[1].
+each rank's micro-batch counts, and under fsdp family/from_plain: see resumed_from_plain} to
+argv[1].
 """
 
+import copy
 import gc
 import sys
 
@@ -29,8 +31,33 @@ def build(family: str):
                              n_embd=32, head_dim=8, n_inner=48))
 
 
+def resumed_from_plain(family: str) -> float:
+    """The largest difference between a model trained 3 steps in this process alone and the
+    same model sharded after 2 of them, given the first's weights and AdamW state (as a
+    one-process or DDP checkpoint holds them, by parameter index), then stepped once more."""
+    def step(model, opt, k):  # a fixed gradient, the same however the model is sharded
+        sum((p * (k + 1) * 0.01).square().sum() for p in model.parameters()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    plain = build(family)
+    opt = make_optimizer(plain, 1e-2)
+    for k in range(2):
+        step(plain, opt, k)
+    weights = {k: v.clone() for k, v in plain.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    step(plain, opt, 2)
+    model = fsdp.shard(build(family), torch.device("cpu"))
+    opt = make_optimizer(model, 1e-2)
+    fsdp.load_model_state(model, weights)
+    fsdp.load_optimizer_state(model, opt, state)
+    step(model, opt, 2)
+    full = fsdp.model_state(model, everywhere=True)
+    return max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+
+
 def main(out_path: str, parallelism: str) -> None:
-    """parallelism: ddp, fsdp, or hsdp (fsdp with shards of 1 rank, replicated on 2)."""
+    """parallelism: ddp, fsdp, or hsdp (fsdp over groups of 2 ranks, replicated across them)."""
     dist = D.init()
     torch.set_num_threads(1)
     W = dist.world_size
@@ -42,7 +69,7 @@ def main(out_path: str, parallelism: str) -> None:
         model = build(family)
         sharded = parallelism in ("fsdp", "hsdp") and W > 1
         if sharded:
-            net = fsdp.shard(model, torch.device("cpu"), shard_size=1 if parallelism == "hsdp"
+            net = fsdp.shard(model, torch.device("cpu"), shard_size=2 if parallelism == "hsdp"
                              else 0)
         else:
             net, _ = D.wrap_ddp(model, torch.device("cpu"))
@@ -61,6 +88,8 @@ def main(out_path: str, parallelism: str) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         out[family] = {k: v.clone() for k, v in fsdp.model_state(model).items()}
+        if sharded:
+            out[f"{family}/from_plain"] = resumed_from_plain(family)
         out[f"{family}/memory"] = D.all_gather_object(fsdp.memory_report(model))
         out[f"{family}/passes"] = D.all_gather_object(counts)
         del net, opt  # DDP's reducer must not outlive the process group
