@@ -80,12 +80,17 @@ class CommTimer:
         return s
 
 
+# the collectives FSDP issues by default (under their former names in older torch)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _TimedAllGather:
     def __init__(self, timer: CommTimer):
         self.timer, self.allocate = timer, timer.allocate
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return self.timer.timed(output_tensor.device, lambda: dist.all_gather_into_tensor(
+        return self.timer.timed(output_tensor.device, lambda: _all_gather(
             output_tensor, input_tensor, group=group, async_op=async_op))
 
 
@@ -94,7 +99,7 @@ class _TimedReduceScatter:
         self.timer, self.allocate = timer, timer.allocate
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return self.timer.timed(output_tensor.device, lambda: dist.reduce_scatter_tensor(
+        return self.timer.timed(output_tensor.device, lambda: _reduce_scatter(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op))
 
 

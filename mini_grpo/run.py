@@ -11,9 +11,9 @@ policy and tokenizer (a given checkpoint's, else `init_from`'s: a Hugging Face d
 one of our checkpoints, else our GPT from the config's fields, randomly initialised from the
 seed, identical on every rank, with the task's alphabet; shapes checked before anything is
 allocated) -> length check -> precision (with its probe for `auto`) -> the trained form
-(compiled, DDP) -> logger (rank 0 of a training run). The reference policy is frozen
-later, when GRPO starts from whatever SFT left (`Run.freeze_reference`). `close()` undoes
-it all in reverse.
+(sharded under fsdp, compiled, DDP under torchrun) -> logger (rank 0 of a training run).
+The reference policy is frozen later, when GRPO starts from whatever SFT left
+(`Run.freeze_reference`). `close()` undoes it all in reverse.
 """
 
 from __future__ import annotations
@@ -131,13 +131,14 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
             check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval])
         precision = resolve_precision(cfg, device, model)
         model.attn_impl = attention_impl(cfg, precision)
-        trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
-        if cfg.parallelism == "fsdp" and dist.world_size > 1:
+        sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
+        if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
             comm = fsdp.CommTimer()
-            net = fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
-                             cfg.fsdp_shard_size, comm)
-        else:
-            net, comm = D.wrap_ddp(trained, device)  # (trained, None) in a single process
+            fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
+                       cfg.fsdp_shard_size, comm)
+        trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
+        # DDP-wrapped under torchrun, as it is in a single process (then comm is None)
+        net, comm = (trained, comm) if sharded else D.wrap_ddp(trained, device)
         logger = open_run_dir(cfg, tok) if log and dist.is_main else None
     except BaseException:
         if scorer is not None:
@@ -167,8 +168,6 @@ def _fsdp_dtype(precision: Precision) -> torch.dtype | None:
 
 def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
     """Combinations that would only fail deep inside the run, refused at the start."""
-    if cfg.parallelism == "fsdp" and cfg.compile_model:
-        raise ConfigError("compile_model: not supported with parallelism: fsdp yet")
     if cfg.fsdp_shard_size and dist.world_size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size: {cfg.fsdp_shard_size} does not divide the "
                           f"{dist.world_size} processes")

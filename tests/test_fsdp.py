@@ -106,3 +106,18 @@ def test_a_one_process_checkpoint_resumes_under_fsdp_on_more_ranks(tmp_path):
     assert "resuming GRPO from step 2" in r.stdout
     assert [m["step"] for m in metrics(out) if "reward/mean" in m][-1] == 4
     assert load_checkpoint(list_checkpoints(out / "checkpoints")[-1])["step"] == 4
+
+
+def test_compile_model_under_fsdp_trains_as_without(tmp_path):
+    steps = {}
+    for compiled in ("false", "true"):
+        out = tmp_path / compiled
+        r = torchrun("distributed_train.py", *TINY, f"--out_dir={out}", "--max_steps=2",
+                     f"--compile_model={compiled}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "torch.compile failed" not in r.stderr  # compiled, no fallback to eager
+        steps[compiled] = [m for m in metrics(out) if "time/step" in m]
+    assert len(steps["true"]) == 2
+    for eager, compiled in zip(steps["false"], steps["true"]):
+        for key in ("loss", "grad_norm", "reward/mean"):
+            assert abs(compiled[key] - eager[key]) <= 1e-4, (key, eager[key], compiled[key])
