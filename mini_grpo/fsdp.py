@@ -4,6 +4,7 @@ that imports torch.distributed; the loop asks for what it needs through these he
 are no-ops on a model that is not sharded (one process, or DDP):
 
     shard(model, ...)          fully_shard on each block, then on the root (in place)
+    frozen_copy(model, ...)    the reference: a sharded copy made from the shards alone
     full_params(model)         every rank all-gathers the weights once, then runs forward
                                passes of its own (sampling, evaluation) with no collective
     save_sharded / load_sharded
@@ -136,6 +137,26 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
             m.set_custom_all_gather(_TimedAllGather(timer))
             m.set_custom_reduce_scatter(_TimedReduceScatter(timer))
     return model
+
+
+def frozen_copy(model: torch.nn.Module, device: torch.device, **shard_kw) -> torch.nn.Module:
+    """A frozen copy of a sharded `model`, sharded the same way (`shard_kw` as given to `shard`
+    for it), made from each rank's own shards: built on the meta device, sharded, then every
+    local shard copied. No rank ever holds the full weights."""
+    from .models import build, spec
+
+    with torch.device("meta"):
+        copy = build(spec(model))
+    copy.attn_impl = model.attn_impl
+    copy.requires_grad_(False)
+    shard(copy, device, **shard_kw)
+    copy.to_empty(device="cpu" if shard_kw.get("cpu_offload") else device)
+    with torch.no_grad():
+        for (name, mine), (other, theirs) in zip(copy.named_parameters(),
+                                                 model.named_parameters(), strict=True):
+            assert name == other, (name, other)
+            mine.to_local().copy_(theirs.to_local())
+    return copy
 
 
 @contextmanager

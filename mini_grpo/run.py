@@ -63,22 +63,26 @@ class Run:
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
-        Under fsdp sharded like the policy (its passes are collectives, as the policy's), or
-        with offload_reference a full copy in CPU memory, streamed to the device per pass."""
+        Under fsdp sharded like the policy (its passes are collectives, as the policy's) and
+        made from each rank's shards, never gathered; or with offload_reference a full copy in
+        CPU memory, streamed to the device per pass."""
         cfg = self.cfg
         if not cfg.beta:
             return
         if not self.sharded:
             self.reference = Reference(self.model, self.device, cfg.offload_reference)
             return
-        state = fsdp.model_state(self.model, everywhere=True)  # a collective
-        with torch.device("meta"):
-            model = build(spec(self.model))
-        model.assign(state)
-        if not cfg.offload_reference:
-            model.requires_grad_(False)
-            fsdp.shard(model, self.device, _fsdp_dtype(self.precision),
-                       cfg.fsdp_cpu_offload, cfg.fsdp_shard_size, self.comm)
+        if cfg.offload_reference:  # a full copy in every rank's CPU memory
+            state = fsdp.model_state(self.model, everywhere=True)  # a collective
+            with torch.device("meta"):
+                model = build(spec(self.model))
+            model.assign(state)
+            model.attn_impl = self.model.attn_impl
+        else:
+            model = fsdp.frozen_copy(self.model, self.device,
+                                     param_dtype=_fsdp_dtype(self.precision),
+                                     cpu_offload=cfg.fsdp_cpu_offload,
+                                     shard_size=cfg.fsdp_shard_size, timer=self.comm)
         self.reference = Reference(model, self.device, cfg.offload_reference, copy=False)
 
     @property

@@ -1,9 +1,11 @@
 """Run by tests/test_fsdp.py as one plain process, and under torchrun with 2 ranks and DDP or
-FSDP, or 4 ranks and HSDP (2 replicas of a model sharded over 2 ranks): 3 GRPO steps of the trainer's own functions (advantages with the global normalisers,
-the micro-batch plan, policy_pass with fsdp's padding to equal passes, clipping, fused AdamW)
-on fixed rollout batches, for our GPT and a Llama-family model with an untied head. Rank 0
-saves {family: full parameters, family/memory: each rank's memory report, family/passes:
-each rank's micro-batch counts, and under fsdp family/from_plain: see resumed_from_plain} to
+FSDP, or 4 ranks and HSDP (2 replicas of a model sharded over 2 ranks): 3 GRPO steps of the
+trainer's own functions (advantages with the global normalisers, the micro-batch plan,
+policy_pass with fsdp's padding to equal passes, clipping, fused AdamW) on fixed rollout
+batches, for our GPT and a Llama-family model with an untied head. Rank 0 saves {family: full
+parameters, family/memory: each rank's memory report, family/passes: each rank's micro-batch
+counts, and under fsdp family/from_plain: see resumed_from_plain, family/reference(_bytes):
+the full weights and each rank's bytes of fsdp.frozen_copy's copy of the trained model} to
 argv[1].
 """
 
@@ -69,8 +71,8 @@ def main(out_path: str, parallelism: str) -> None:
         model = build(family)
         sharded = parallelism in ("fsdp", "hsdp") and W > 1
         if sharded:
-            net = fsdp.shard(model, torch.device("cpu"), shard_size=2 if parallelism == "hsdp"
-                             else 0)
+            shard_size = 2 if parallelism == "hsdp" else 0
+            net = fsdp.shard(model, torch.device("cpu"), shard_size=shard_size)
         else:
             net, _ = D.wrap_ddp(model, torch.device("cpu"))
         opt = make_optimizer(model, 1e-2)
@@ -90,6 +92,11 @@ def main(out_path: str, parallelism: str) -> None:
         out[family] = {k: v.clone() for k, v in fsdp.model_state(model).items()}
         if sharded:
             out[f"{family}/from_plain"] = resumed_from_plain(family)
+            ref = fsdp.frozen_copy(model, torch.device("cpu"), shard_size=shard_size)
+            assert not any(p.requires_grad for p in ref.parameters())
+            out[f"{family}/reference"] = {k: v.clone() for k, v in fsdp.model_state(ref).items()}
+            out[f"{family}/reference_bytes"] = D.all_gather_object(sum(
+                t.numel() * t.element_size() for t in fsdp.local_params(ref.parameters())))
         out[f"{family}/memory"] = D.all_gather_object(fsdp.memory_report(model))
         out[f"{family}/passes"] = D.all_gather_object(counts)
         del net, opt  # DDP's reducer must not outlive the process group

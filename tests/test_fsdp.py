@@ -44,6 +44,12 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
                                        atol=1e-4, msg=f"{family} {name}")
         # a one-process (or DDP) optimizer state continues under fsdp exactly
         assert fsdp[f"{family}/from_plain"] == 0.0
+        # the reference: a copy of the trained weights made from the shards, sharded alike
+        for sharded in (fsdp, hsdp):
+            for name, want in sharded[family].items():
+                assert torch.equal(sharded[f"{family}/reference"][name], want), name
+            assert sharded[f"{family}/reference_bytes"] == [
+                m["params"] for m in sharded[f"{family}/memory"]]
         # each rank holds about half of what a DDP rank holds (HSDP's too: shards of 2 ranks)
         full = ddp[f"{family}/memory"][0]
         for rank_mem in fsdp[f"{family}/memory"] + hsdp[f"{family}/memory"]:
