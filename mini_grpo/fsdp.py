@@ -8,10 +8,11 @@ are no-ops on a model that is not sharded (one process, or DDP):
     full_params(model)         every rank all-gathers the weights once, then runs forward
                                passes of its own (sampling, evaluation) with no collective
     save_sharded / load_sharded
-                               GRPO checkpoints as DCP shards, resharded on load onto any
-                               number of ranks, sharded or not
+                               GRPO and SFT-stage checkpoints as DCP shards, resharded on
+                               load onto any number of ranks, sharded or not
+    load_optimizer_state       a one-file (one process, DDP) optimizer state into shards
     model_state / load_model_state
-                               full (unsharded) state dicts: the SFT stage, the export
+                               full (unsharded) state dicts: the export, the offloaded reference
     clip_grad_norm, local_params, memory_report
     CommTimer                  the seconds in FSDP's all-gathers and reduce-scatters
 
@@ -257,11 +258,12 @@ def memory_report(model: torch.nn.Module) -> dict[str, float]:
     return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local)}
 
 
-def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
+def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer | None, meta: dict,
                  directory, step: int, keep: int = 0):
-    """A GRPO checkpoint as a directory of shards (every rank writes its own, with
-    torch.distributed.checkpoint) plus rank 0's meta.pt, renamed into place once complete;
-    keeps the newest `keep`. A collective: every rank calls it. Returns the path."""
+    """A checkpoint as a directory of shards of the weights and, given `opt`, its state (every
+    rank writes its own, with torch.distributed.checkpoint) plus rank 0's meta.pt, renamed
+    into place once complete; keeps the newest `keep`. A collective: every rank calls it.
+    Returns the path."""
     import os
     import shutil
     from pathlib import Path
@@ -281,7 +283,9 @@ def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer, meta: dict,
         directory.mkdir(parents=True, exist_ok=True)
         clean_stale_temps(directory)
     dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": get_model_state_dict(model)}
+    if opt is not None:
+        state["optim"] = get_optimizer_state_dict(model, opt)
     dcp.save(state, checkpoint_id=str(tmp))
     if dist.get_rank() == 0:
         torch.save(meta, tmp / "meta.pt")

@@ -130,12 +130,13 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         if data is not None:
             scorer = RewardScorer.from_config(cfg, data)
         model, tok = build_policy(cfg, data, checkpoint)
-        model.to(device)
+        sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
+        if not sharded:  # under fsdp each block goes to the device as it is sharded, so the
+            model.to(device)  # device never holds the whole model
         if data is not None:
             check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval])
         precision = resolve_precision(cfg, device, model)
         model.attn_impl = attention_impl(cfg, precision)
-        sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
         if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
             comm = fsdp.CommTimer()
             fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,

@@ -1,6 +1,7 @@
 """Supervised warm start: teacher forcing on prompt -> target, loss on target tokens only.
 
-Its checkpoint lives in <out_dir>/sft/; GRPO starts from it (policy and reference). A finished
+Its checkpoint lives in <out_dir>/sft/ (under fsdp as shards, `step_N.dcp/`); GRPO starts
+from it (policy and reference). A finished
 stage is reused when the job is restarted, but only when the options it was trained with
 (STAGE_KEYS) are the same and its weights are finite; otherwise it is trained again, and the
 console says why. The same NaN/Inf guard as GRPO's skips non-finite steps (AMP off, lr halved,
@@ -16,7 +17,7 @@ import torch
 
 from . import distributed as D
 from . import fsdp
-from .checkpoint import latest_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from .chunked import token_logprobs
 from .config import ConfigError, load_config
 from .data import batch_indices, sft_batch, shard
@@ -64,8 +65,8 @@ def _reusable(run, directory: Path, steps: int, tag: str):
     if changed:
         run.print0(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
         return None
-    if not all(torch.isfinite(v).all() for v in state["model"].values()
-               if torch.is_tensor(v) and v.is_floating_point()):
+    if "model" in state and not all(torch.isfinite(v).all() for v in state["model"].values()
+                                    if torch.is_tensor(v) and v.is_floating_point()):
         run.print0(f"[{tag}] not reusing {path}: its weights are not finite")
         return None
     run.print0(f"[{tag}] reusing finished stage from {path}")
@@ -86,8 +87,15 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
     directory = sft_dir(cfg) if directory is None else Path(directory)
     state = _reusable(run, directory, steps, tag)
     if state is not None:
-        fsdp.load_model_state(model, state["model"])
-        return
+        if not state.get("sharded"):
+            fsdp.load_model_state(model, state["model"])
+            return
+        fsdp.load_sharded(state["sharded"], model)  # checked once read (never saved non-finite)
+        bad = D.all_reduce_max((~params_finite(model.parameters())).float().reshape(1))
+        if not bad.item():
+            return
+        raise CheckpointError(f"{state['sharded']}: its weights are not finite; delete it to "
+                              f"train the stage again")
     opt = make_optimizer(model, base_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
     guard = Guard(cfg.guard_patience, amp=run.precision.dtype is not None, stage=tag.upper())
     scaler = run.precision.scaler(guard.amp)
@@ -132,12 +140,13 @@ def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"
     if not params_finite(model.parameters()):
         raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
                              f"(lr {base_lr:g} too high?); nothing was saved")
-    weights = fsdp.model_state(model)  # a collective under fsdp
-    if dist.is_main:
-        state = {"kind": tag, "model": weights, "step": steps, **run.identity()}
-        path = save_checkpoint(state, directory, steps, keep=1)
-        print(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}",
-              flush=True)
+    meta = {"kind": tag, "step": steps, **run.identity()}
+    path = None
+    if run.sharded:  # every rank writes its shards
+        path = fsdp.save_sharded(model, None, meta, directory, steps, keep=1)
+    elif dist.is_main:
+        path = save_checkpoint({**meta, "model": model.state_dict()}, directory, steps, keep=1)
+    run.print0(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
     D.barrier()
 
 

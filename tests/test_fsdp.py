@@ -8,6 +8,7 @@ import sys
 import torch
 from conftest import ROOT, clean_env, metrics, torchrun
 from fsdp_worker import build
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 
@@ -127,3 +128,25 @@ def test_compile_model_under_fsdp_trains_as_without(tmp_path):
     for eager, compiled in zip(steps["false"], steps["true"]):
         for key in ("loss", "grad_norm", "reward/mean"):
             assert abs(compiled[key] - eager[key]) <= 1e-4, (key, eager[key], compiled[key])
+
+
+def test_the_sft_stage_under_fsdp_is_saved_in_shards_and_reused(tmp_path):
+    out = tmp_path / "run"
+    base = ["--config", "tiny", "--use_amp=false", "--reward_executor=serial", "--sft_steps=4"]
+    full = [*base, "--parallelism=fsdp", f"--out_dir={out}"]  # SFT, then GRPO
+    r = torchrun("distributed_train.py", *full, "--max_steps=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(out / "sft")] == ["step_0000004.dcp"]
+    r = torchrun("distributed_train.py", *full, "--max_steps=2")  # GRPO resumes; SFT reused
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reusing finished stage" in r.stdout and "resuming GRPO from step 1" in r.stdout
+    # the shards hold the trained stage: the weights DDP trains (to rounding)
+    ddp = tmp_path / "ddp"
+    r = torchrun("distributed_train.py", *base, f"--out_dir={ddp}", "--mode=sft")
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = load_checkpoint(ddp / "sft" / "step_0000004.pt")["model"]
+    dcp_to_torch_save(out / "sft" / "step_0000004.dcp", tmp_path / "sft.pt")
+    got = torch.load(tmp_path / "sft.pt")["model"]
+    assert got.keys() == want.keys()
+    for k in want:  # each of 4 AdamW steps at sft_lr moves a weight by ~1e-3: far beyond 1e-4
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-4, msg=k)
