@@ -63,18 +63,23 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
             raise
         raise CheckpointWriteError(f"cannot write checkpoint {path}: {_reason(e)}") from e
-    prune(directory, keep)
+    prune(directory, keep, path)
     return path
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Removes all but the newest `keep` checkpoints (0: keeps all)."""
-    if keep > 0:
-        for old in list_checkpoints(directory)[:-keep]:
-            if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
+def prune(directory: Path, keep: int, written: Path) -> None:
+    """After `written`: removes the same step saved in the other form (one file or fsdp's
+    shards: a run that changed its parallelism), then all but the newest `keep` checkpoints
+    (0: keeps all)."""
+    def remove(old: Path) -> None:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+    remove(written.with_suffix(".pt" if written.suffix == ".dcp" else ".dcp"))
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        remove(old)
 
 
 def clean_stale_temps(directory: str | Path) -> list[Path]:

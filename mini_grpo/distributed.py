@@ -107,27 +107,62 @@ def reduce_named(sums: dict, maxes: dict | None = None) -> dict:
 
 
 class CommTimer:
-    """A DDP communication hook that all-reduces gradient buckets as DDP does by default and
-    sums the seconds from each bucket's launch to its completion (overlapping buckets overlap
-    in the sum too): the time spent in gradient communication."""
+    """Seconds spent in collectives, from each one's launch to its completion (overlapping ones
+    overlap in the sum too), in two parts: before and after `mark()`. On a CPU the host's
+    clock; on CUDA events on the stream the collective runs on, summed by `pop`, which waits
+    for them (at the end of a step, where the metrics wait anyway). As a DDP communication
+    hook it all-reduces gradient buckets as DDP does by default; fsdp.CommTimer times FSDP's
+    all-gathers and reduce-scatters."""
 
     def __init__(self):
-        self.seconds = 0.0
+        self.seconds = [0.0, 0.0]  # before the mark, after it
+        self.phase = 0
+        self._events: list = []  # (start, end, phase) on CUDA
+
+    def start(self, device: torch.device):
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event, self.phase
+        return time.perf_counter(), self.phase
+
+    def stop(self, token) -> None:
+        begun, phase = token
+        if isinstance(begun, float):
+            self.seconds[phase] += time.perf_counter() - begun
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((begun, end, phase))
+        if len(self._events) >= 4096:  # a long stage without pops (SFT): bounded memory
+            self._fold()
+
+    def _fold(self) -> None:
+        for begun, end, phase in self._events:
+            end.synchronize()
+            self.seconds[phase] += begun.elapsed_time(end) / 1e3
+        self._events.clear()
+
+    def mark(self) -> None:
+        """What follows counts as the second part (no sync)."""
+        self.phase = 1
+
+    def pop(self) -> tuple[float, float]:
+        """(seconds before the mark, seconds after it) since the last pop; then starts over."""
+        self._fold()
+        out, self.seconds, self.phase = tuple(self.seconds), [0.0, 0.0], 0
+        return out
 
     def hook(self, _state, bucket):
-        t0 = time.perf_counter()
         buf = bucket.buffer().div_(dist.get_world_size())
+        token = self.start(buf.device)
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
-        def done(f):
-            self.seconds += time.perf_counter() - t0
+        def done(f):  # on CUDA, runs on a stream that waits for the all-reduce
+            self.stop(token)
             return f.value()[0]
 
         return fut.then(done)
-
-    def pop(self) -> float:
-        s, self.seconds = self.seconds, 0.0
-        return s
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device):

@@ -24,11 +24,12 @@ per rollout, not once per decoded token.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from . import distributed as D
 
 
 def is_sharded(model) -> bool:
@@ -37,49 +38,27 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-class CommTimer:
+class CommTimer(D.CommTimer):
     """FSDP's all-gathers and reduce-scatters, issued as FSDP issues them, timed: set on every
-    FSDP module of a model as its custom collectives (`shard(..., timer=)`), it sums the
-    seconds each takes, from launch to completion: the call itself on a CPU (gloo's blocks),
-    CUDA events around it on FSDP's communication stream (summed by `pop`, which waits for
-    them). Like DDP's (distributed.CommTimer), this is time in communication, overlapped with
-    computation or not. HSDP's all-reduce across replicas is not counted."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._events: list = []
+    FSDP module of a model as its custom collectives (`shard(..., timer=)`). FSDP issues them
+    synchronously on its own communication streams (CUDA), where the events go; HSDP's
+    all-reduce across replicas is not counted."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def timed(self, device: torch.device, call):
-        if device.type == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            work = call()
-            end.record()
-            self._events.append((start, end))
-            return work
-        t0 = time.perf_counter()
+        token = self.start(device)
         work = call()
-        if work is None:
-            self.seconds += time.perf_counter() - t0
+        if work is None or device.type == "cuda":  # CUDA: the end event follows on the stream
+            self.stop(token)
         else:
             def done(f):
-                self.seconds += time.perf_counter() - t0
+                self.stop(token)
                 return f.value()
 
             work.get_future().then(done)
         return work
-
-    def pop(self) -> float:
-        """The seconds since the last pop (waits for the CUDA collectives timed)."""
-        for start, end in self._events:
-            end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1e3
-        self._events.clear()
-        s, self.seconds = self.seconds, 0.0
-        return s
 
 
 # the collectives FSDP issues by default (under their former names in older torch)
@@ -228,6 +207,9 @@ def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sta
 
     from .checkpoint import CheckpointError
 
+    if not (isinstance(state, dict) and isinstance(state.get("param_groups"), list)
+            and isinstance(state.get("state"), dict)):
+        raise CheckpointError("the checkpoint's optimizer state is not one torch wrote")
     names = {id(p): n for n, p in model.named_parameters()}
     saved, now = state["param_groups"], opt.param_groups
     if [len(g["params"]) for g in saved] != [len(g["params"]) for g in now]:
@@ -292,7 +274,7 @@ def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer | None, meta
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again
         os.replace(tmp, final)
         _fsync_dir(directory)
-        prune(directory, keep)
+        prune(directory, keep, final)
     dist.barrier()
     return final
 

@@ -55,7 +55,7 @@ class Run:
     tok: Tokenizer
     model: CausalLM  # the bare policy: sampling, evaluation, checkpoints
     net: torch.nn.Module  # the policy as trained: compiled and/or DDP-wrapped
-    comm: D.CommTimer | fsdp.CommTimer | None  # seconds in DDP's or FSDP's collectives
+    comm: D.CommTimer | None  # seconds in DDP's or FSDP's collectives (fsdp.CommTimer)
     scorer: RewardScorer | None
     logger: RunLogger | None  # rank 0 of a training run only
     reference: Reference | None = None

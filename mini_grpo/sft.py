@@ -1,11 +1,12 @@
 """Supervised warm start: teacher forcing on prompt -> target, loss on target tokens only.
 
-Its checkpoint lives in <out_dir>/sft/ (under fsdp as shards, `step_N.dcp/`); GRPO starts
-from it (policy and reference). A finished
-stage is reused when the job is restarted, but only when the options it was trained with
-(STAGE_KEYS) are the same and its weights are finite; otherwise it is trained again, and the
-console says why. The same NaN/Inf guard as GRPO's skips non-finite steps (AMP off, lr halved,
-stop), and a stage whose weights end non-finite is never saved.
+Its checkpoint lives in <out_dir>/sft/ (under fsdp as shards, `step_N.dcp/`); GRPO starts from
+it (policy and reference). A finished stage is reused when the job is restarted, but only
+when the options it was trained with (STAGE_KEYS) are the same and its weights are finite;
+otherwise it is trained again, and the console says why (shards are checked once read:
+non-finite ones stop the job, naming them). The same NaN/Inf guard as GRPO's skips
+non-finite steps (AMP off, lr halved, stop), and a stage whose weights end non-finite is
+never saved.
 """
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
     if run.logger:
         run.logger.start_clock(start)
+    if run.comm:
+        run.comm.pop()  # the collectives of SFT, RFT and the set-up are no step's
     for step in range(start + 1, cfg.max_steps + 1):
         inject_fault(step, dist)
         t_step, times = time.perf_counter(), {}
@@ -109,7 +111,8 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
         t0 = time.perf_counter()
-        times["comm_rollout"] = run.comm.pop() if run.comm else 0.0  # fsdp: gathers so far
+        if run.comm:
+            run.comm.mark()  # fsdp: the gathers so far were sampling's and the reference's
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps) * guard.lr_scale
         set_lr(opt, lr)
         model.train()
@@ -139,7 +142,7 @@ def train_grpo(run, resume: dict | None = None) -> None:
         m.update({"grad_norm": gnorm.item(), "lr": lr, "guard/skipped": guard.skipped,
                   "guard/rungs_used": guard.next_rung, "guard/amp": float(guard.amp),
                   "guard/lr_scale": guard.lr_scale,
-                  "time/comm": run.comm.pop() if run.comm else 0.0})
+                  **comm_times(run.comm)})
         if run.logger and step % cfg.log_every == 0:
             run.logger.scalars(step, m)
             run.logger.progress(step, {"reward": m["reward/mean"], "kl": m["kl"],
@@ -245,6 +248,13 @@ def policy_pass(net, batches, batch: Batch, ref_lp, old, cfg, world_size: int = 
         nothing = logp.sum() * 0.0
         (scaler.scale(nothing) if scaler is not None else nothing).backward()
     return acc, olds
+
+
+def comm_times(comm) -> dict[str, float]:
+    """The step's seconds in collectives: the policy update's (DDP's all-reduce, FSDP's
+    gathers and reduce-scatters) and, under fsdp, sampling's and the reference's before it."""
+    before, after = comm.pop() if comm else (0.0, 0.0)
+    return {"time/comm_rollout": before, "time/comm": after}
 
 
 def step_metrics(r, res, batch: Batch, acc, cfg, times: dict, seconds: float) -> dict:

@@ -14,6 +14,7 @@ from mini_grpo.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    prune,
     save_checkpoint,
 )
 
@@ -229,3 +230,15 @@ def test_save_cleans_stale_temps(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     save_checkpoint(state(1), tmp_path, 1)
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_0000001.pt"]
+
+
+def test_a_step_saved_again_in_the_other_form_replaces_it(tmp_path):
+    # the same stage saved by a DDP run, then by an fsdp one (shards): only the newer is kept
+    # (step_N.dcp sorts before step_N.pt: pruning by name alone would remove the new one)
+    (tmp_path / "step_0000004.dcp").mkdir()
+    (tmp_path / "step_0000004.dcp" / ".metadata").write_bytes(b"")
+    path = save_checkpoint(state(4), tmp_path, 4, keep=1)
+    assert list_checkpoints(tmp_path) == [path]
+    (tmp_path / "step_0000004.dcp").mkdir()
+    prune(tmp_path, 1, tmp_path / "step_0000004.dcp")  # as fsdp.save_sharded does after it
+    assert list_checkpoints(tmp_path) == [tmp_path / "step_0000004.dcp"]

@@ -110,3 +110,21 @@ def test_a_second_process_group_in_one_process_under_torchrun(tmp_path):
     r = torchrun(str(script), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("twice ok") == 2
+
+
+def test_the_comm_timer_splits_a_step_at_its_mark():
+    from mini_grpo.distributed import CommTimer
+
+    timer, cpu = CommTimer(), torch.device("cpu")
+    for pause, mark in ((0.01, True), (0.02, False)):
+        token = timer.start(cpu)
+        time.sleep(pause)
+        timer.stop(token)
+        if mark:
+            timer.mark()  # what follows is the policy update's
+    before, after = timer.pop()
+    assert before >= 0.01 and after >= 0.02
+    token = timer.start(cpu)  # a pop starts over, before the mark
+    timer.stop(token)
+    before, after = timer.pop()
+    assert before > 0 and after == 0.0

@@ -122,7 +122,7 @@ def test_compile_model_under_fsdp_trains_as_without(tmp_path):
         r = torchrun("distributed_train.py", *TINY, f"--out_dir={out}", "--max_steps=2",
                      f"--compile_model={compiled}")
         assert r.returncode == 0, r.stderr[-3000:]
-        assert "torch.compile failed" not in r.stderr  # compiled, no fallback to eager
+        assert "uncompiled" not in r.stderr  # compiled: neither unavailable nor failed
         steps[compiled] = [m for m in metrics(out) if "time/step" in m]
     assert len(steps["true"]) == 2
     for eager, compiled in zip(steps["false"], steps["true"]):
