@@ -13,6 +13,7 @@ are no-ops on a model that is not sharded (one process, or DDP):
     load_optimizer_state       a one-file (one process, DDP) optimizer state into shards
     model_state / load_model_state
                                full (unsharded) state dicts: the export, the offloaded reference
+    load_from_rank0            rank 0's full weights into every rank's shards (start-up)
     clip_grad_norm, local_params, memory_report
     CommTimer                  the seconds in FSDP's all-gathers and reduce-scatters
 
@@ -193,6 +194,18 @@ def load_model_state(model: torch.nn.Module, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state, options=_options())
+
+
+def load_from_rank0(model: torch.nn.Module, state: dict, device: torch.device,
+                    cpu_offload: bool = False) -> None:
+    """Rank 0's full state dict (`state`; the others pass {}) into every rank's shards of
+    `model`, tensor by tensor (a collective). Shards still on the meta device get memory on
+    `device` (CPU under `cpu_offload`) first."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu" if cpu_offload else device)
+    set_model_state_dict(model, state, options=_options(broadcast_from_rank0=True))
 
 
 def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:

@@ -18,6 +18,7 @@ The reference policy is frozen later, when GRPO starts from whatever SFT left
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -129,8 +130,13 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None
         if data is not None:
             scorer = RewardScorer.from_config(cfg, data)
-        model, tok = build_policy(cfg, data, checkpoint)
         sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
+        # under fsdp, a pretrained model or a random init is read (drawn) by rank 0 alone and
+        # sent to the others' shards, which start on the meta device: a node holds one copy
+        # (on a CPU device every rank builds its own: the precision probe runs on each)
+        from_rank0 = sharded and weights_from_rank0(cfg, checkpoint)
+        model, tok = build_policy(cfg, data, checkpoint, meta=from_rank0 and not dist.is_main
+                                  and device.type != "cpu")
         if not sharded:  # under fsdp each block goes to the device as it is sharded, so the
             model.to(device)  # device never holds the whole model
         if data is not None:
@@ -138,9 +144,13 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         precision = resolve_precision(cfg, device, model)
         model.attn_impl = attention_impl(cfg, precision)
         if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
+            full = model.state_dict() if from_rank0 and dist.is_main else {}
             comm = fsdp.CommTimer()
             fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
                        cfg.fsdp_shard_size, comm)
+            if from_rank0:
+                fsdp.load_from_rank0(model, full, device, cfg.fsdp_cpu_offload)
+                del full
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
         # DDP-wrapped under torchrun, as it is in a single process (then comm is None)
         net, comm = (trained, comm) if sharded else D.wrap_ddp(trained, device)
@@ -201,14 +211,17 @@ def gpt_spec(cfg: GRPOConfig, vocab_size: int) -> dict:
         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))}
 
 
-def build_policy(cfg: GRPOConfig, data: TaskData | None,
-                 checkpoint: dict | None = None) -> tuple[CausalLM, Tokenizer]:
+def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None = None,
+                 meta: bool = False) -> tuple[CausalLM, Tokenizer]:
     """The policy (on CPU) and its tokenizer: those of `checkpoint` (a loaded state), else of
     `init_from` (a Hugging Face directory, or one of our checkpoints), else our GPT from the
-    config's fields with the task's alphabet, randomly initialised from the seed."""
+    config's fields with the task's alphabet, randomly initialised from the seed. `meta`:
+    where `weights_from_rank0` allows, the model without weights, on the meta device."""
     source = "checkpoint"
+    meta = meta and weights_from_rank0(cfg, checkpoint)
     if checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
-        model = load_hf_model(cfg.init_from, dtype=torch.float32)  # fp32 master weights
+        model = load_hf_model(cfg.init_from, dtype=torch.float32,  # fp32 master weights
+                              weights=not meta)
         try:
             tok = HFTokenizer.from_dir(cfg.init_from)
         except ValueError as e:
@@ -224,7 +237,8 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None,
         spec = checkpoint_spec(checkpoint, cfg, tok, source) if checkpoint else \
             gpt_spec(cfg, tok.vocab_size)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = build(spec)
+        with torch.device("meta") if meta else nullcontext():
+            model = build(spec)
         if checkpoint is not None and checkpoint.get("sharded"):
             fsdp.load_sharded(checkpoint["sharded"], model)  # shapes checked from metadata
         elif checkpoint is not None:
@@ -238,6 +252,13 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None,
                           f"sequence ({model.cfg.block_size})")
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model, tok
+
+
+def weights_from_rank0(cfg: GRPOConfig, checkpoint: dict | None) -> bool:
+    """Whether the policy's first weights are a Hugging Face directory's or a random init's,
+    which under fsdp rank 0 alone reads (or draws) and the others receive in shards (ours:
+    every rank reads them; a sharded one's read is a collective)."""
+    return checkpoint is None and (not cfg.init_from or is_model_dir(cfg.init_from))
 
 
 def is_model_dir(path: str) -> bool:

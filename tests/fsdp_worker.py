@@ -4,9 +4,9 @@ trainer's own functions (advantages with the global normalisers, the micro-batch
 policy_pass with fsdp's padding to equal passes, clipping, fused AdamW) on fixed rollout
 batches, for our GPT and a Llama-family model with an untied head. Rank 0 saves {family: full
 parameters, family/memory: each rank's memory report, family/passes: each rank's micro-batch
-counts, and under fsdp family/from_plain: see resumed_from_plain, family/reference(_bytes):
-the full weights and each rank's bytes of fsdp.frozen_copy's copy of the trained model} to
-argv[1].
+counts, and under fsdp family/from_plain: see resumed_from_plain, family/from_rank0: see
+sent_from_rank0, family/reference(_bytes): the full weights and each rank's bytes of
+fsdp.frozen_copy's copy of the trained model} to argv[1].
 """
 
 import copy
@@ -58,6 +58,21 @@ def resumed_from_plain(family: str) -> float:
     return max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())
 
 
+def sent_from_rank0(trained, family: str, is_main: bool) -> dict:
+    """The full weights of a model sharded on the meta device on every rank but 0, which
+    holds `trained`'s full weights: fsdp.load_from_rank0, as set-up loads a pretrained model."""
+    full = fsdp.model_state(trained, everywhere=True)
+    if is_main:
+        model = build(family)
+    else:
+        with torch.device("meta"):
+            model = build(family)
+    fsdp.shard(model, torch.device("cpu"))
+    fsdp.load_from_rank0(model, full if is_main else {}, torch.device("cpu"))
+    assert bool(model.tied_head()) == (family == "gpt")  # a tied head stays tied
+    return {k: v.clone() for k, v in fsdp.model_state(model).items()}
+
+
 def main(out_path: str, parallelism: str) -> None:
     """parallelism: ddp, fsdp, or hsdp (fsdp over groups of 2 ranks, replicated across them)."""
     dist = D.init()
@@ -92,6 +107,7 @@ def main(out_path: str, parallelism: str) -> None:
         out[family] = {k: v.clone() for k, v in fsdp.model_state(model).items()}
         if sharded:
             out[f"{family}/from_plain"] = resumed_from_plain(family)
+            out[f"{family}/from_rank0"] = sent_from_rank0(model, family, dist.is_main)
             ref = fsdp.frozen_copy(model, torch.device("cpu"), shard_size=shard_size)
             assert not any(p.requires_grad for p in ref.parameters())
             out[f"{family}/reference"] = {k: v.clone() for k, v in fsdp.model_state(ref).items()}

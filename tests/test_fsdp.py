@@ -45,8 +45,11 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
                                        atol=1e-4, msg=f"{family} {name}")
         # a one-process (or DDP) optimizer state continues under fsdp exactly
         assert fsdp[f"{family}/from_plain"] == 0.0
-        # the reference: a copy of the trained weights made from the shards, sharded alike
+        # the reference: a copy of the trained weights made from the shards, sharded alike;
+        # and rank 0's full weights sent into shards that started on the meta device
         for sharded in (fsdp, hsdp):
+            for name, want in sharded[family].items():
+                assert torch.equal(sharded[f"{family}/from_rank0"][name], want), name
             for name, want in sharded[family].items():
                 assert torch.equal(sharded[f"{family}/reference"][name], want), name
             assert sharded[f"{family}/reference_bytes"] == [

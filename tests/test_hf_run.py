@@ -214,3 +214,25 @@ def test_bad_messages_rows_are_named(tmp_path, row, needle):
     data.write_text(json.dumps({"prompt": "ok", "target": "x"}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ConfigError, match=f"bad.jsonl:2: .*{needle}"):
         load_jsonl(data)
+
+
+def test_a_meta_policy_is_the_one_built_without_its_weights(lm, tmp_path):
+    # what every fsdp rank but 0 builds (on GPUs): rank 0's weights arrive into its shards
+    from mini_grpo.models import spec
+    from mini_grpo.tasks import build_task
+
+    for cfg, data in ((tiny(None, init_from=str(lm), block_size=256), None),
+                      (tiny(None), build_task(tiny(None)))):
+        model, tok = build_policy(cfg, data)
+        meta, meta_tok = build_policy(cfg, data, meta=True)
+        assert all(p.is_meta for p in meta.parameters())
+        assert spec(meta) == spec(model) and meta_tok.state() == tok.state()
+        assert meta.tied_head() == model.tied_head()
+        assert {k: v.shape for k, v in meta.state_dict().items()} == \
+            {k: v.shape for k, v in model.state_dict().items()}
+    # one of our checkpoints is read by every rank: never meta
+    ckpt = tmp_path / "run"
+    train(tiny(ckpt, mode="sft", sft_steps=2))
+    cfg = tiny(None, init_from=str(list_checkpoints(ckpt / "sft")[-1]))
+    meta, _ = build_policy(cfg, build_task(cfg), meta=True)
+    assert not any(p.is_meta for p in meta.parameters())

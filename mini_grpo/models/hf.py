@@ -213,9 +213,11 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
-                  device: str | torch.device = "cpu") -> CausalLM:
+                  device: str | torch.device = "cpu", weights: bool = True) -> CausalLM:
     """Our model with the directory's weights, in `dtype` (default: the checkpoint's). The
-    directory's config.json is kept as `model.hf_config` (save_hf writes it back)."""
+    directory's config.json is kept as `model.hf_config` (save_hf writes it back).
+    `weights=False`: the model on the meta device, checked against the files' headers but
+    with no tensor read (a rank that gets its weights from another)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -245,6 +247,9 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
     check_shapes({k: v.shape for k, v in model.state_dict().items()},
                  {k: torch.empty(s, device="meta") for k, s in shapes.items() if s is not None},
                  str(path))
+    model.hf_config = config
+    if not weights:
+        return model
     state = {}
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
@@ -254,7 +259,6 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
                     t = t.t().contiguous() if _conv1d(family, ours) else t
                     state[ours] = t.to(dtype) if dtype is not None else t
     model.assign(state)
-    model.hf_config = config
     return model
 
 
