@@ -22,7 +22,14 @@ def main() -> int:
     # ("Root Cause ... rank: N ... <the exception>") when a rank fails
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(train_main)(sys.argv[1:])
+    code = record(train_main)(sys.argv[1:])
+    # The run is over and its files are written (the process group torn down): leave without
+    # interpreter finalization, where destroying what still refers to the process group
+    # aborted a finished rank once ("terminate called without an active exception", SIGABRT,
+    # no Python frame), failing the whole launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
