@@ -151,21 +151,26 @@ def train_grpo(run, resume: dict | None = None) -> None:
 
         # ---- periodic evaluation (rank 0; the others wait at the next collective)
         if step % cfg.eval_every == 0 and step < cfg.max_steps:
-            with fsdp.full_params(model):  # every rank gathers; rank 0 evaluates
-                if run.logger:
-                    ev = evaluate(run, greedy=True, amp=guard.amp)
-                    run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"},
-                                       "eval/")
-                    run.logger.text(step, "samples", "\n\n".join(
-                        f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
-                        for s in ev["samples"]))
-            if run.comm:
-                run.comm.pop()  # the evaluation's gather is not the next step's
+            evaluate_step(run, step, guard.amp)
         # a checkpoint only from a step whose update went through: "restore" must go back
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and guard.last_ok:
             save_grpo_checkpoint(run, opt, scaler, guard, step, gen)
     run.amp = guard.amp  # the final evaluation runs without autocast if the guard turned it off
+
+
+def evaluate_step(run, step: int, amp: bool) -> None:
+    """The periodic greedy evaluation: every rank gathers the weights, rank 0 evaluates and
+    logs the metrics and samples."""
+    with fsdp.full_params(run.model):
+        if run.logger:
+            ev = evaluate(run, greedy=True, amp=amp)
+            run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"}, "eval/")
+            run.logger.text(step, "samples", "\n\n".join(
+                f"`{s['prompt']}` -> `{s['completion']}` (target `{s['target']}`)"
+                for s in ev["samples"]))
+    if run.comm:
+        run.comm.pop()  # the evaluation's gather is not the next step's
 
 
 @dataclass
