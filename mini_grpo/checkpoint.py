@@ -1,7 +1,12 @@
-"""Checkpoints: atomic, durable save; newest-valid resume; retention. Loaded weights_only=True.
+"""Checkpoints, the one module that writes and reads them: atomic, durable save in one file or
+as DCP shards; newest-valid resume; retention. Loaded weights_only=True.
 
-A checkpoint is one `step_NNNNNNN.pt` file holding plain tensors and Python values: model and
-optimizer state, step, RNG states, the resolved config and the tokenizer's alphabet. It is
+`save(model, opt, meta, ...)` writes the form the model's parallelism needs and
+`load_weights(checkpoint, model, opt)` reads either form into a model however it is
+parallelised now (state.TrainState calls both; fsdp.py holds the state-dict primitives).
+
+A one-file checkpoint is one `step_NNNNNNN.pt` file holding plain tensors and Python values:
+model and optimizer state, step, guard, RNG states, the resolved config, the tokenizer. It is
 written to `.step_NNNNNNN.pt.tmp<pid>`, flushed and fsynced, renamed over the final name, and
 the directory is fsynced so the rename survives a power cut; a kill mid-write therefore never
 leaves a broken newest checkpoint, and a file that still fails to load is skipped with a warning.
@@ -9,8 +14,8 @@ A failed write (disk full, I/O error) removes its temp file, leaves older checkp
 raises CheckpointWriteError with one line; temps left by killed writers are removed by
 clean_stale_temps (the trainer calls it at start) and by every save into that directory.
 
-Under fsdp a GRPO checkpoint is a directory `step_NNNNNNN.dcp` instead (fsdp.save_sharded):
-every rank writes its shards with torch.distributed.checkpoint into `.step_NNNNNNN.dcp.tmp`,
+Under fsdp a checkpoint is a directory `step_NNNNNNN.dcp` instead (`save`): every rank
+writes its shards with torch.distributed.checkpoint into `.step_NNNNNNN.dcp.tmp`,
 rank 0 adds `meta.pt` (everything but the weights and optimizer state) and renames it into
 place. `load_checkpoint` returns its meta with "sharded": the directory's path; one without
 DCP's `.metadata` or `meta.pt` (cut short) is skipped like a corrupt file.
@@ -29,6 +34,9 @@ from typing import Any
 
 import torch
 
+from . import distributed as D
+from . import fsdp
+
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 _TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")
 _TEMP_DIR = re.compile(r"^\.step_\d+\.dcp\.tmp$")  # all ranks write it: no pid to check
@@ -40,6 +48,55 @@ class CheckpointError(ValueError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, I/O error); older ones are untouched."""
+
+
+def save(model: torch.nn.Module, opt: torch.optim.Optimizer | None, meta: dict,
+         directory: str | Path, step: int, keep: int = 0) -> Path | None:
+    """`model`'s weights (and `opt`'s state) with `meta` as checkpoint `step` in `directory`,
+    keeping the newest `keep`: as DCP shards when the model is sharded (every rank writes its
+    own: a collective, every rank calls it), else one file written by rank 0. Returns the
+    path (None on the ranks that wrote nothing)."""
+    if fsdp.is_sharded(model):
+        return _save_sharded(model, opt, meta, Path(directory), step, keep)
+    if not D.is_main():
+        return None
+    state = {**meta, "model": model.state_dict()}
+    if opt is not None:
+        state["optimizer"] = opt.state_dict()
+    return save_checkpoint(state, directory, step, keep=keep)
+
+
+def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int) -> Path:
+    final = directory / f"step_{step:07d}.dcp"
+    tmp = directory / f".{final.name}.tmp"
+    if D.is_main():
+        directory.mkdir(parents=True, exist_ok=True)
+        clean_stale_temps(directory)
+    D.barrier()
+    fsdp.write_shards(model, opt, tmp)
+    if D.is_main():
+        torch.save(meta, tmp / "meta.pt")
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        prune(directory, keep, final)
+    D.barrier()
+    return final
+
+
+def load_weights(checkpoint: dict, model: torch.nn.Module,
+                 opt: torch.optim.Optimizer | None = None, source: str = "checkpoint") -> None:
+    """A loaded checkpoint's weights (and, given `opt`, its optimizer state) into `model`,
+    whichever form it was saved in and however `model` is parallelised now."""
+    try:
+        if checkpoint.get("sharded"):
+            fsdp.read_shards(checkpoint["sharded"], model, opt)
+            return
+        fsdp.load_model_state(model, checkpoint["model"])  # under fsdp each rank keeps its shards
+        if opt is not None:
+            fsdp.load_optimizer_state(model, opt, checkpoint["optimizer"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{checkpoint.get('sharded') or source}: {e}") from None
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,

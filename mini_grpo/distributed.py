@@ -111,8 +111,10 @@ class CommTimer:
     overlap in the sum too), in two parts: before and after `mark()`. On a CPU the host's
     clock; on CUDA events on the stream the collective runs on, summed by `pop`, which waits
     for them (at the end of a step, where the metrics wait anyway). As a DDP communication
-    hook it all-reduces gradient buckets as DDP does by default; fsdp.CommTimer times FSDP's
-    all-gathers and reduce-scatters."""
+    hook it all-reduces gradient buckets as DDP does by default; set as FSDP's custom
+    collectives (fsdp.shard(..., timer=)) it times FSDP's all-gathers and reduce-scatters,
+    issued synchronously on FSDP's own streams on CUDA (HSDP's all-reduce across replicas is
+    not counted)."""
 
     def __init__(self):
         self.seconds = [0.0, 0.0]  # before the mark, after it
@@ -164,6 +166,24 @@ class CommTimer:
 
         return fut.then(done)
 
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's buffers for the collectives this timer issues."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def timed(self, device: torch.device, call):
+        """Runs `call()` (a collective, maybe async) and times it to its completion."""
+        token = self.start(device)
+        work = call()
+        if work is None or device.type == "cuda":  # CUDA: the end event follows on the stream
+            self.stop(token)
+        else:
+            def done(f):
+                self.stop(token)
+                return f.value()
+
+            work.get_future().then(done)
+        return work
+
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device):
     """(DDP-wrapped model, CommTimer) under torchrun; (model, None) in a single process."""
@@ -184,6 +204,15 @@ def all_gather_object(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def is_main() -> bool:
+    """Rank 0, or the only process."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .rewards.text import exact_match
-from .rollout import sample, scored_metas
+from .rollout import sample, score
 
 
 def _summary(total, columns: dict, lengths) -> dict[str, float]:
@@ -44,8 +44,7 @@ def evaluate(run, greedy: bool, seed: int = 0, batch_size: int = 256, amp: bool 
         lengths += r.lengths()
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
-    res = run.scorer.score(prompts, texts, targets, scored_metas(
-        [ex.meta for ex in examples], lengths, cfg.max_new_tokens))
+    res = score(run.scorer, examples, texts, lengths, cfg.max_new_tokens)
     columns = {"exact": np.asarray(exact_match(prompts, texts, targets, []), dtype=float)}
     if task.eval_columns is not None:
         columns.update(task.eval_columns(examples, texts))

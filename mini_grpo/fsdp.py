@@ -7,20 +7,21 @@ are no-ops on a model that is not sharded (one process, or DDP):
     frozen_copy(model, ...)    the reference: a sharded copy made from the shards alone
     full_params(model)         every rank all-gathers the weights once, then runs forward
                                passes of its own (sampling, evaluation) with no collective
-    save_sharded / load_sharded
-                               GRPO and SFT-stage checkpoints as DCP shards, resharded on
-                               load onto any number of ranks, sharded or not
+    write_shards / read_shards / sharded_shapes
+                               DCP's shards of the weights and optimizer state, resharded on
+                               load onto any number of ranks (checkpoint.py names the
+                               directories and owns both checkpoint forms)
     load_optimizer_state       a one-file (one process, DDP) optimizer state into shards
     model_state / load_model_state
                                full (unsharded) state dicts: the export, the offloaded reference
     load_from_rank0            rank 0's full weights into every rank's shards (start-up)
     clip_grad_norm, local_params, memory_report
-    CommTimer                  the seconds in FSDP's all-gathers and reduce-scatters
+    pad_passes                 how many extra passes this rank runs to keep up
 
-Every FSDP forward and backward all-gathers and reduce-scatters with the other ranks, so
-ranks must run the same number of passes (the trainer pads the rank with fewer
-micro-batches to the busiest rank's count). Sampling does not: `full_params` unshards once
-per rollout, not once per decoded token.
+FSDP's collectives are timed by distributed.CommTimer. Every FSDP forward and backward
+all-gathers and reduce-scatters with the other ranks, so ranks must run the same number of
+passes (the trainer pads the rank with fewer micro-batches to the busiest rank's count).
+Sampling does not: `full_params` unshards once per rollout, not once per decoded token.
 """
 
 from __future__ import annotations
@@ -39,36 +40,13 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-class CommTimer(D.CommTimer):
-    """FSDP's all-gathers and reduce-scatters, issued as FSDP issues them, timed: set on every
-    FSDP module of a model as its custom collectives (`shard(..., timer=)`). FSDP issues them
-    synchronously on its own communication streams (CUDA), where the events go; HSDP's
-    all-reduce across replicas is not counted."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def timed(self, device: torch.device, call):
-        token = self.start(device)
-        work = call()
-        if work is None or device.type == "cuda":  # CUDA: the end event follows on the stream
-            self.stop(token)
-        else:
-            def done(f):
-                self.stop(token)
-                return f.value()
-
-            work.get_future().then(done)
-        return work
-
-
 # the collectives FSDP issues by default (under their former names in older torch)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _TimedAllGather:
-    def __init__(self, timer: CommTimer):
+    def __init__(self, timer: D.CommTimer):
         self.timer, self.allocate = timer, timer.allocate
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -77,7 +55,7 @@ class _TimedAllGather:
 
 
 class _TimedReduceScatter:
-    def __init__(self, timer: CommTimer):
+    def __init__(self, timer: D.CommTimer):
         self.timer, self.allocate = timer, timer.allocate
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
@@ -87,7 +65,7 @@ class _TimedReduceScatter:
 
 def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype | None = None,
           cpu_offload: bool = False, shard_size: int = 0,
-          timer: CommTimer | None = None) -> torch.nn.Module:
+          timer: D.CommTimer | None = None) -> torch.nn.Module:
     """`model` sharded over every rank (in place), or with `shard_size` over groups of that
     many ranks and replicated across the groups (HSDP: a 2-D mesh). `param_dtype` bf16:
     parameters gathered in bf16, gradients reduced in fp32 (MixedPrecisionPolicy);
@@ -218,20 +196,27 @@ def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sta
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    from .checkpoint import CheckpointError
-
     if not (isinstance(state, dict) and isinstance(state.get("param_groups"), list)
             and isinstance(state.get("state"), dict)):
-        raise CheckpointError("the checkpoint's optimizer state is not one torch wrote")
+        raise ValueError("the checkpoint's optimizer state is not one torch wrote")
     names = {id(p): n for n, p in model.named_parameters()}
     saved, now = state["param_groups"], opt.param_groups
     if [len(g["params"]) for g in saved] != [len(g["params"]) for g in now]:
-        raise CheckpointError("the checkpoint's optimizer state has other parameter groups "
-                              "than this model's")
+        raise ValueError("the checkpoint's optimizer state has other parameter groups than "
+                         "this model's")
     name = {i: names[id(p)] for g, h in zip(saved, now) for i, p in zip(g["params"], h["params"])}
     full = {"state": {name[i]: v for i, v in state["state"].items()},
             "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in saved]}
     set_optimizer_state_dict(model, opt, full, options=_options())
+
+
+def pad_passes(model: torch.nn.Module, passes: int, device: torch.device) -> int:
+    """Under fsdp every forward and backward is a collective, so each rank runs as many
+    passes as the busiest one: the extra passes (carrying no loss) this rank runs; 0 when
+    `model` is not sharded."""
+    if not is_sharded(model):
+        return 0
+    return int(D.all_reduce_max(torch.tensor([passes], device=device)).item()) - passes
 
 
 def local_params(params) -> list[torch.Tensor]:
@@ -253,47 +238,24 @@ def memory_report(model: torch.nn.Module) -> dict[str, float]:
     return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local)}
 
 
-def save_sharded(model: torch.nn.Module, opt: torch.optim.Optimizer | None, meta: dict,
-                 directory, step: int, keep: int = 0):
-    """A checkpoint as a directory of shards of the weights and, given `opt`, its state (every
-    rank writes its own, with torch.distributed.checkpoint) plus rank 0's meta.pt, renamed
-    into place once complete; keeps the newest `keep`. A collective: every rank calls it.
-    Returns the path."""
-    import os
-    import shutil
-    from pathlib import Path
-
+def write_shards(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path) -> None:
+    """Every rank writes its shards of the weights (and of `opt`'s state) into directory
+    `path` with torch.distributed.checkpoint (a collective; checkpoint.py names, completes
+    and renames the directory)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    from .checkpoint import _fsync_dir, clean_stale_temps, prune
-
-    directory = Path(directory)
-    final = directory / f"step_{step:07d}.dcp"
-    tmp = directory / f".{final.name}.tmp"
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        clean_stale_temps(directory)
-    dist.barrier()
     state = {"model": get_model_state_dict(model)}
     if opt is not None:
         state["optim"] = get_optimizer_state_dict(model, opt)
-    dcp.save(state, checkpoint_id=str(tmp))
-    if dist.get_rank() == 0:
-        torch.save(meta, tmp / "meta.pt")
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-        prune(directory, keep, final)
-    dist.barrier()
-    return final
+    dcp.save(state, checkpoint_id=str(path))
 
 
-def load_sharded(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
-    """Loads a sharded checkpoint's weights (and optimizer state) into `model`, however it is
+def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
+    """Loads the shards in directory `path` into `model` (and `opt`), however it is
     parallelised now and over however many ranks: DCP reads each rank's part (resharding)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (

@@ -26,20 +26,51 @@ micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's knobs, as the config names them (`LossSettings.of(cfg)`)."""
+    beta: float = 0.0  # KL weight; 0 needs no reference
+    eps_low: float = 0.2  # clip range of the ratio: [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.2
+    agg: str = "grpo"  # grpo | dapo | dr_grpo
+    max_new_tokens: int | None = None  # dr_grpo's constant
+
+    @classmethod
+    def of(cls, cfg) -> LossSettings:
+        return cls(cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.loss_agg, cfg.max_new_tokens)
+
+
+class LossStats(NamedTuple):
+    """Detached 0-d token means over one (micro-)batch."""
+    kl: torch.Tensor
+    clip_low: torch.Tensor  # ratio below 1 - eps_low where the advantage is negative
+    clip_high: torch.Tensor  # ratio above 1 + eps_high where the advantage is positive
+    ratio: torch.Tensor
+    entropy: torch.Tensor
+
+
+def zero_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) rewards -> (B/G,) bool: the groups whose rewards are all equal (no signal)."""
+    r = rewards.view(-1, group_size)
+    return r.max(dim=1).values == r.min(dim=1).values
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
                      eps: float = 1e-4, batch_std: torch.Tensor | float | None = None):
-    """rewards (B,) grouped as B/G consecutive groups -> (advantages (B,), zero_spread (B/G,)).
+    """rewards (B,) grouped as B/G consecutive groups -> advantages (B,).
 
     `batch_std` overrides the local std for scale="batch" (DDP passes the global one).
-    Groups whose rewards are all equal get zero advantage under every scaling.
+    Groups whose rewards are all equal (`zero_spread`) get zero advantage under every scaling.
     """
     r = rewards.float().view(-1, group_size)  # (B/G, G)
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, keepdim=True, unbiased=False)
-    zero_spread = (r.max(dim=1).values - r.min(dim=1).values) == 0
     a = r - mean
     if scale == "group":
         a = a / (std + eps)
@@ -48,25 +79,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         a = a / (s + eps)
     elif scale != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
-    a = a.masked_fill(zero_spread[:, None], 0.0)  # exactly 0, even with eps = 0 (no 0/0)
-    return a.view(-1), zero_spread
+    a = a.masked_fill(zero_spread(rewards, group_size)[:, None], 0.0)  # exactly 0, no 0/0
+    return a.view(-1)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def grpo_loss(logp, old_logp, adv, mask, *, ref_logp=None, beta: float = 0.0,
-              eps_low: float = 0.2, eps_high: float = 0.2, agg: str = "grpo",
-              num_seqs: int | None = None, num_tokens: float | None = None,
-              max_new_tokens: int | None = None, entropy=None):
+def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, ref_logp=None,
+              entropy=None, num_seqs=None, num_tokens=None) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one (micro-)batch and its detached statistics.
 
     logp, old_logp, ref_logp, entropy: (B, T) fp32; adv: (B,); mask: (B, T) completion mask.
     num_seqs / num_tokens: the global batch's sequence and token counts (default: this batch).
-    Returns (loss, stats): stats are detached 0-d tensors, token means of kl, clip_low,
-    clip_high, ratio and entropy over this batch.
     """
+    beta, eps_low, eps_high, agg = s.beta, s.eps_low, s.eps_high, s.agg
     keep, m = mask.bool(), mask.float()
     num_seqs = logp.size(0) if num_seqs is None else num_seqs
     num_tokens = m.sum() if num_tokens is None else num_tokens
@@ -87,19 +115,18 @@ def grpo_loss(logp, old_logp, adv, mask, *, ref_logp=None, beta: float = 0.0,
     elif agg == "dapo":
         loss = (per_token * m).sum() / num_tokens
     elif agg == "dr_grpo":
-        if max_new_tokens is None:
+        if s.max_new_tokens is None:
             raise ValueError("agg='dr_grpo' needs max_new_tokens")
-        loss = (per_token * m).sum() / (num_seqs * max_new_tokens)
+        loss = (per_token * m).sum() / (num_seqs * s.max_new_tokens)
     else:
         raise ValueError(f"agg must be grpo, dapo or dr_grpo, got {agg!r}")
 
     with torch.no_grad():  # tensors, not floats: no host sync per micro-batch
         zero = torch.zeros((), device=logp.device)
-        stats = {
-            "kl": _masked_mean(kl, m) if kl is not None else zero,
-            "clip_low": _masked_mean(((ratio < 1 - eps_low) & (A < 0)).float(), m),
-            "clip_high": _masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), m),
-            "ratio": _masked_mean(ratio, m),
-            "entropy": _masked_mean(entropy, m) if entropy is not None else zero,
-        }
+        stats = LossStats(
+            kl=_masked_mean(kl, m) if kl is not None else zero,
+            clip_low=_masked_mean(((ratio < 1 - eps_low) & (A < 0)).float(), m),
+            clip_high=_masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), m),
+            ratio=_masked_mean(ratio, m),
+            entropy=_masked_mean(entropy, m) if entropy is not None else zero)
     return loss, stats

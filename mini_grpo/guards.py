@@ -44,10 +44,21 @@ def params_finite(params) -> torch.Tensor:
     return torch.isfinite(torch.stack(torch._foreach_norm(params))).all()
 
 
+def finite_everywhere(model: torch.nn.Module) -> bool:
+    """Every parameter is finite on every rank (a collective: all ranks agree)."""
+    bad = (~params_finite(model.parameters())).float().reshape(1)
+    return D.all_reduce_max(bad).item() == 0
+
+
 class Guard:
-    def __init__(self, patience: int, amp: bool = True, stage: str = "GRPO"):
+    def __init__(self, patience: int, amp: bool = True, stage: str = "GRPO",
+                 autocast: bool = True):
+        """`amp`: autocast still trusted (the verdict the previous stage handed on);
+        `autocast`: this stage runs any autocast at all (else the amp_off rung is passed
+        over, and the verdict is handed on unchanged)."""
         self.patience = patience
         self.stage = stage
+        self.autocast = autocast
         self.consecutive = 0  # skips in a row
         self.skipped = 0  # skips in all
         self.next_rung = 0  # index into RUNGS
@@ -79,7 +90,7 @@ class Guard:
         while True:
             rung = RUNGS[min(self.next_rung, len(RUNGS) - 1)]
             self.next_rung += 1
-            if rung == "amp_off" and self.amp:
+            if rung == "amp_off" and self.amp and self.autocast:
                 self.amp = False
                 return "autocast turned off (fp32) for the rest of the run"
             if rung == "halve_lr":

@@ -24,7 +24,7 @@ from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
 from .sft import stage_changes, train_sft
 from .tasks import load_jsonl
-from .trainer import resume_weights, train_grpo
+from .trainer import train_grpo
 
 STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft")}
 
@@ -40,34 +40,34 @@ def train(cfg) -> dict:
         resume = find_resume(run) if "grpo" in stages else None
         if run.dist.is_main:
             cfg.save(Path(cfg.out_dir) / "config.yaml")
+        amp = True  # autocast trusted; a stage whose guard cuts it hands fp32 on (state.py)
         if "sft" in stages:
-            train_sft(run)
+            amp = train_sft(run, amp=amp)
         result = {}
         if "rft" in stages:
             with fsdp.full_params(run.model):  # every rank gathers, rank 0 evaluates
                 if run.dist.is_main:
-                    result["before"] = eval_both(run, 0)
-            run_rft(run)
+                    result["before"] = eval_both(run, 0, amp)
+            amp = run_rft(run, amp)
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
             with fsdp.full_params(run.model):
-                result = before_grpo(run, resume)
+                result = before_grpo(run, resume, amp)
             if resume is not None:
-                resume_weights(run.model, resume)
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
-            train_grpo(run, resume)
+            amp = train_grpo(run, resume, amp).guard.amp
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
         with fsdp.full_params(run.model):
             if run.dist.is_main:
-                finish(run, result, stages, weights)
+                finish(run, result, stages, weights, amp)
     return result
 
 
-def finish(run: Run, result: dict, stages: tuple, weights: dict) -> None:
+def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool) -> None:
     """Rank 0, after the last stage: the "after" evaluations, eval.json, the table, export."""
     cfg = run.cfg
     last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1], cfg.sft_steps)
-    result["after"] = eval_both(run, last)
+    result["after"] = eval_both(run, last, amp)
     result["baselines"] = trivial_baselines(run.task, run.scorer)
     (Path(cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
     table = {f"{k} {mode}": v[mode] for k, v in result.items() if k != "baselines"
@@ -135,13 +135,13 @@ def check_resume(run: Run, state: dict, path: str) -> None:
         run.logger.event(state["step"], "resumed with changed options: " + ", ".join(changed))
 
 
-def before_grpo(run: Run, resume: dict | None) -> dict:
+def before_grpo(run: Run, resume: dict | None, amp: bool) -> dict:
     """The "before" evaluation: computed on a fresh start, kept from eval.json on resume."""
     out = Path(run.cfg.out_dir) / "eval.json"
     if not run.dist.is_main:
         return {}
     if resume is None:
-        result = {"before": eval_both(run, 0)}
+        result = {"before": eval_both(run, 0, amp)}
         out.write_text(json.dumps(result, indent=2))
         return result
     if out.is_file():
@@ -149,8 +149,9 @@ def before_grpo(run: Run, resume: dict | None) -> dict:
     return {}
 
 
-def run_rft(run: Run) -> None:
-    """Rejection sampling from the current model, then SFT on the accepted completions."""
+def run_rft(run: Run, amp: bool) -> bool:
+    """Rejection sampling from the current model, then SFT on the accepted completions;
+    returns the SFT's autocast verdict."""
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
@@ -167,7 +168,7 @@ def run_rft(run: Run) -> None:
         stamp.write_text(json.dumps(cfg.to_dict()))
     D.barrier()
     with fsdp.full_params(run.model):  # each rank samples alone
-        generate_rft_data(run, examples, data)
+        generate_rft_data(run, examples, data, amp)
     try:
         accepted = load_jsonl(data)
     except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"
@@ -175,17 +176,18 @@ def run_rft(run: Run) -> None:
                           f"{len({ex.prompt for ex in examples})} prompts reached "
                           f"{cfg.rft_min_reward}; lower it or train the SFT stage longer"
                           ) from None
-    train_sft(run, examples=accepted, steps=cfg.rft_sft_steps, lr=cfg.rft_lr,
-              directory=data.parent / "sft", tag="rft")
+    return train_sft(run, examples=accepted, steps=cfg.rft_sft_steps, lr=cfg.rft_lr,
+                     directory=data.parent / "sft", tag="rft", amp=amp)
 
 
-def eval_both(run: Run, step: int) -> dict:
-    """Greedy and sampled held-out evaluations, logged and printed."""
+def eval_both(run: Run, step: int, amp: bool = True) -> dict:
+    """Greedy and sampled held-out evaluations (under autocast if `amp` still trusts it),
+    logged and printed."""
     out = {}
     for greedy in (True, False):
         name = "greedy" if greedy else "sampled"
         t0 = time.perf_counter()
-        ev = evaluate(run, greedy=greedy, seed=run.cfg.seed, amp=run.amp)
+        ev = evaluate(run, greedy=greedy, seed=run.cfg.seed, amp=amp)
         out[name] = ev
         if run.logger:
             run.logger.scalars(step, {k: v for k, v in ev.items() if k != "samples"},

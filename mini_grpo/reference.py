@@ -14,7 +14,6 @@ import torch
 from torch.func import functional_call
 
 from . import fsdp
-from .logprobs import completion_logprobs
 
 
 class _Streamed(torch.nn.Module):
@@ -49,15 +48,21 @@ class Reference:
             self.model.to(device)
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                 temperature: float = 1.0, prompt_index=None) -> torch.Tensor:
-        """(B, N) fp32 log-probs of the completion tokens under the reference policy
-        (`prompt_index`: see logprobs.completion_logprobs)."""
-        args = (prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                prompt_index)
+    def logprobs(self, mb, temperature: float = 1.0) -> torch.Tensor:
+        """(b, n) fp32 log-probs of a rollout.MicroBatch's completion tokens under the
+        reference policy."""
         if not self.offload:
-            lp = completion_logprobs(self.model, *args)
+            lp = mb.logprobs(self.model, temperature)
             fsdp.release(self.model)  # sharded: no backward frees the root's gathered weights
             return lp
         state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}
-        return completion_logprobs(_Streamed(self.model, state), *args)
+        return mb.logprobs(_Streamed(self.model, state), temperature)
+
+    def fill(self, out: torch.Tensor, batches: list, temperature: float, pad: int = 0) -> None:
+        """The reference log-probs of every micro-batch's rows into `out` (B, N). `pad`
+        extra passes keep a sharded reference's collectives in step with the busiest rank
+        (an offloaded reference is a whole copy: it has none)."""
+        for mb in batches:
+            out[mb.rows, :mb.ids.size(1)] = self.logprobs(mb, temperature)
+        for _ in range(0 if self.offload else pad):
+            self.logprobs(batches[-1], temperature)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .logprobs import completion_logprobs
 from .models import CausalLM, attention_mask, positions
 from .tokenizer import Tokenizer
 
@@ -155,11 +156,14 @@ def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, pad_id):
     return logits[rows]
 
 
-def scored_metas(metas: list[dict], lengths: list[int], max_new_tokens: int) -> list[dict]:
-    """The rows' metadata for the reward scorer, with what sampling knows of each completion:
-    `completion_tokens` (its length) and `max_new_tokens` (the cap it may have hit)."""
-    return [{**m, "completion_tokens": int(n), "max_new_tokens": max_new_tokens}
-            for m, n in zip(metas, lengths)]
+def score(scorer, examples: list, texts: list[str], lengths: list[int], max_new_tokens: int):
+    """The scorer's result for completions `texts` of `examples` (one each), whose metadata
+    gets what sampling knows of each completion: `completion_tokens` (its length) and
+    `max_new_tokens` (the cap it may have hit). The trainer, evaluation and RFT score here."""
+    metas = [{**ex.meta, "completion_tokens": int(n), "max_new_tokens": max_new_tokens}
+             for ex, n in zip(examples, lengths)]
+    return scorer.score([ex.prompt for ex in examples], texts, [ex.target for ex in examples],
+                        metas)
 
 
 def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
@@ -185,16 +189,48 @@ def plan_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def micro_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[tuple]:
-    """row_batches, each taken (`_take`) once for the reference and every policy pass:
-    (rows, prompts, prompt mask, prompt index, completion ids, completion mask)."""
-    return [(rows, *_take(r, cmask, rows, group))
-            for rows in row_batches(r, cmask, size, group)]
+@dataclass
+class MicroBatch:
+    """Rows of a rollout that go through the model together (the reference pass and every
+    policy pass), each distinct prompt once, cut to the columns that hold a real token."""
+    rows: torch.Tensor  # (b,) the rollout's rows
+    prompt_ids: torch.Tensor  # (U, P) the distinct prompts of these rows, left-padded
+    prompt_mask: torch.Tensor  # (U, P) bool
+    prompt_index: torch.Tensor  # (b,) each row's prompt in prompt_ids
+    ids: torch.Tensor  # (b, n) completion tokens
+    mask: torch.Tensor  # (b, n) bool, True on the tokens that carry loss
+
+    def logprobs(self, model, temperature: float, entropy: bool = False):
+        """logp (b, n) of the completion tokens under `model` (and entropy: see
+        logprobs.completion_logprobs)."""
+        return completion_logprobs(model, self.prompt_ids, self.prompt_mask, self.ids,
+                                   self.mask, temperature, self.prompt_index, entropy=entropy)
+
+    def positions(self) -> tuple[int, int]:
+        """(token positions pushed through the model, padding included; the real ones)."""
+        b, n = self.ids.shape
+        real = self.prompt_mask.sum() + (self.mask.sum(1) - 1).clamp(min=0).sum()
+        return self.prompt_ids.numel() + b * (n - 1), int(real)
+
+
+def micro_batches(r: Rollout, cmask: torch.Tensor, size: int, group: int) -> list[MicroBatch]:
+    """The micro-batches of `row_batches`' plan; `cmask` (B, N) is the completion mask less
+    the rows that carry no loss."""
+    out = []
+    for rows in row_batches(r, cmask, size, group):
+        cm = cmask[rows]
+        n = max(1, int(cm.sum(1).max()))
+        groups, index = torch.unique(rows // group, return_inverse=True)
+        pids, pm = r.prompt_ids[groups * group], r.prompt_mask[groups * group]
+        first = int(pm.any(0).int().argmax())  # prompts are left-padded
+        out.append(MicroBatch(rows, pids[:, first:], pm[:, first:], index,
+                              r.completion_ids[rows, :n], cm[:, :n]))
+    return out
 
 
 def row_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[torch.Tensor]:
     """The rows a training or reference pass pushes through the model, as index tensors of
-    micro-batches; each micro-batch computes the prompts of its rows once (`_take`).
+    micro-batches; each micro-batch computes the prompts of its rows once.
 
     Two plans, and the one that pushes fewer token positions wins: whole groups (`group`
     consecutive rows share a prompt) sorted by their longest completion, size // group groups
@@ -222,14 +258,3 @@ def row_batches(r, cmask: torch.Tensor, size: int, group: int) -> list[torch.Ten
 
     best = min((by_group, by_row), key=pushed)  # ties: whole groups
     return [torch.tensor(b, device=cmask.device) for b in best]
-
-
-def _take(r, cmask, rows, group):
-    """One micro-batch: (its distinct prompts (U, P), their masks, each row's prompt (b,),
-    completion ids (b, n), completion mask), cut to the columns that hold a real token."""
-    cm = cmask[rows]
-    n = max(1, int(cm.sum(1).max()))
-    groups, index = torch.unique(rows // group, return_inverse=True)
-    pids, pm = r.prompt_ids[groups * group], r.prompt_mask[groups * group]
-    first = int(pm.any(0).int().argmax())  # prompts are left-padded
-    return pids[:, first:], pm[:, first:], index, r.completion_ids[rows, :n], cm[:, :n]

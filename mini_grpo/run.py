@@ -26,7 +26,7 @@ import torch
 
 from . import distributed as D
 from . import fsdp
-from .checkpoint import CheckpointError, check_shapes, load_checkpoint
+from .checkpoint import CheckpointError, check_shapes, load_checkpoint, load_weights
 from .config import ConfigError, GRPOConfig, load_config
 from .logger import RunLogger
 from .models import CausalLM, GPTConfig, build, model_config, spec
@@ -56,11 +56,10 @@ class Run:
     tok: Tokenizer
     model: CausalLM  # the bare policy: sampling, evaluation, checkpoints
     net: torch.nn.Module  # the policy as trained: compiled and/or DDP-wrapped
-    comm: D.CommTimer | None  # seconds in DDP's or FSDP's collectives (fsdp.CommTimer)
+    comm: D.CommTimer | None  # seconds in DDP's or FSDP's collectives
     scorer: RewardScorer | None
     logger: RunLogger | None  # rank 0 of a training run only
     reference: Reference | None = None
-    amp: bool = True  # autocast still trusted: the guard's verdict at the end of a stage
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
@@ -145,7 +144,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         model.attn_impl = attention_impl(cfg, precision)
         if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
             full = model.state_dict() if from_rank0 and dist.is_main else {}
-            comm = fsdp.CommTimer()
+            comm = D.CommTimer()
             fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
                        cfg.fsdp_shard_size, comm)
             if from_rank0:
@@ -239,10 +238,8 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         with torch.device("meta") if meta else nullcontext():
             model = build(spec)
-        if checkpoint is not None and checkpoint.get("sharded"):
-            fsdp.load_sharded(checkpoint["sharded"], model)  # shapes checked from metadata
-        elif checkpoint is not None:
-            load_weights(model, checkpoint["model"], source)
+        if checkpoint is not None:  # names and shapes checked by checkpoint_spec
+            load_weights(checkpoint, model, source=source)
     try:
         tok.configure_chat(cfg.chat_template, cfg.system_prompt)
     except ValueError as e:
@@ -305,11 +302,6 @@ def attention_impl(cfg: GRPOConfig, precision: Precision) -> str:
         return cfg.attn_impl
     cpu_bf16 = precision.device.type == "cpu" and precision.dtype == torch.bfloat16
     return "manual" if cpu_bf16 else "sdpa"
-
-
-def load_weights(model: CausalLM, state: dict, source: str) -> None:
-    check_shapes({k: v.shape for k, v in model.state_dict().items()}, state, source)
-    model.load_state_dict(state)
 
 
 def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOConfig]:

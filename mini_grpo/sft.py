@@ -5,8 +5,9 @@ it (policy and reference). A finished stage is reused when the job is restarted,
 when the options it was trained with (STAGE_KEYS) are the same and its weights are finite;
 otherwise it is trained again, and the console says why (shards are checked once read:
 non-finite ones stop the job, naming them). The same NaN/Inf guard as GRPO's skips
-non-finite steps (AMP off, lr halved, stop), and a stage whose weights end non-finite is
-never saved.
+non-finite steps (AMP off, lr halved, stop) through the same TrainState, a stage whose
+weights end non-finite is never saved, and the stage hands its autocast verdict on (stored
+with it, so a reused stage hands on the same).
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ from pathlib import Path
 
 import torch
 
-from . import distributed as D
-from . import fsdp
-from .checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_weights
 from .chunked import token_logprobs
 from .config import ConfigError, load_config
 from .data import batch_indices, sft_batch, shard
-from .guards import Guard, NonFiniteError, params_finite
+from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
-from .optim import lr_at, make_optimizer, set_lr
+from .state import TrainState
 
 # the options that shape a trained stage: a stage saved with others is not reused. The RFT
 # stage starts from the SFT one, so it depends on both.
@@ -58,7 +57,7 @@ def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
 
 
 def _reusable(run, directory: Path, steps: int, tag: str):
-    """The finished stage's checkpoint state if it can be reused, else None (says why)."""
+    """The finished stage's checkpoint if it can be reused, else None (says why)."""
     path, state = latest_checkpoint(directory)
     if state is None or state.get("step") != steps:
         return None
@@ -66,95 +65,70 @@ def _reusable(run, directory: Path, steps: int, tag: str):
     if changed:
         run.print0(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
         return None
-    if "model" in state and not all(torch.isfinite(v).all() for v in state["model"].values()
-                                    if torch.is_tensor(v) and v.is_floating_point()):
-        run.print0(f"[{tag}] not reusing {path}: its weights are not finite")
-        return None
     run.print0(f"[{tag}] reusing finished stage from {path}")
-    return state
+    return path, state
 
 
-def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft"):
-    """Trains run.model in place, or loads the finished stage from disk.
+def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft",
+              amp: bool = True) -> bool:
+    """Trains run.model in place, or loads the finished stage from disk; returns the stage's
+    autocast verdict for the next (`amp` is the one it starts from: see state.py).
 
     Defaults: the task's training split, cfg.sft_steps at cfg.sft_lr, into <out_dir>/sft.
     The RFT stage passes its accepted rows instead; a row with a "completion" in its metadata
     is trained on that completion, else on its target.
     """
-    cfg, dist, model, device = run.cfg, run.dist, run.model, run.device
+    cfg, dist, model = run.cfg, run.dist, run.model
     examples = run.task.train if examples is None else examples
     steps = cfg.sft_steps if steps is None else steps
     base_lr = cfg.sft_lr if lr is None else lr
     directory = sft_dir(cfg) if directory is None else Path(directory)
-    state = _reusable(run, directory, steps, tag)
-    if state is not None:
-        if not state.get("sharded"):
-            fsdp.load_model_state(model, state["model"])
-            return
-        fsdp.load_sharded(state["sharded"], model)  # checked once read (never saved non-finite)
-        bad = D.all_reduce_max((~params_finite(model.parameters())).float().reshape(1))
-        if not bad.item():
-            return
-        raise CheckpointError(f"{state['sharded']}: its weights are not finite; delete it to "
-                              f"train the stage again")
-    opt = make_optimizer(model, base_lr, cfg.weight_decay, fused=cfg.fused_optimizer)
-    guard = Guard(cfg.guard_patience, amp=run.precision.dtype is not None, stage=tag.upper())
-    scaler = run.precision.scaler(guard.amp)
-    warmup = min(cfg.warmup_steps * 5, steps // 10)
+    found = _reusable(run, directory, steps, tag)
+    if found is not None:  # never saved non-finite, but a file may lie: checked once read
+        path, ckpt = found
+        load_weights(ckpt, model, source=str(path))
+        if not finite_everywhere(model):
+            raise CheckpointError(f"{ckpt.get('sharded') or path}: its weights are not "
+                                  f"finite; delete it to train the stage again")
+        return amp and bool(ckpt.get("guard", {}).get("amp", True))
+    state = TrainState(run, base_lr, steps, min(cfg.warmup_steps * 5, steps // 10), amp=amp,
+                       tag=tag)
     model.train()
     t0, tokens = time.perf_counter(), 0
     for step in range(1, steps + 1):
         idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)
         pairs = [(examples[i].model_input, examples[i].meta.get("completion", examples[i].target))
                  for i in shard(idx, dist.rank, dist.world_size)]
-        x, y = sft_batch(run.tok, pairs, device)
-        lr = lr_at(step, base_lr, warmup, steps) * guard.lr_scale
-        set_lr(opt, lr)
-        loss = sft_loss(run.net, x, y, lambda: run.precision.autocast(enabled=guard.amp))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        gnorm = fsdp.clip_grad_norm(model.parameters(), cfg.grad_clip or float("inf"))
-        if guard.check(loss.detach(), loss.detach() if scaler.is_enabled() else gnorm,
-                       params_finite(model.parameters())):
-            scaler.step(opt)  # skips the step when fp16 gradients overflowed
-            scaler.update()
-        else:
-            amp = guard.amp
-            what = guard.fallback(False, lambda: "", where=f"step {step}")
-            if what:
-                run.print0(f"[{tag}] step {step}: {guard.patience} non-finite steps: {what}")
-            if guard.amp != amp:
-                scaler = run.precision.scaler(guard.amp)
-        opt.zero_grad(set_to_none=True)
+        x, y = sft_batch(run.tok, pairs, run.device)
+        lr = state.begin(step)
+        with state.autocast():
+            loss = sft_loss(run.net, x, y)
+        state.backward(loss)
+        state.step(loss.detach())  # fp16: the scaler skips steps whose gradients overflowed
         tokens += x.numel()
         if dist.is_main and (step % cfg.log_every == 0 or step == steps):
             dt = time.perf_counter() - t0
-            m = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(),
-                 "tokens_per_s": tokens * dist.world_size / dt, "guard/skipped": guard.skipped}
+            m = {"loss": loss.item(), "lr": lr, "grad_norm": state.grad_norm.item(),
+                 "tokens_per_s": tokens * dist.world_size / dt,
+                 "guard/skipped": state.guard.skipped}
             if run.logger is not None:
                 run.logger.scalars(step, m, prefix=f"{tag}/")
             if step % max(cfg.log_every, 10) == 0 or step == steps:
                 eta = dt / step * (steps - step)
                 print(f"[{tag}] step {step}/{steps} loss {m['loss']:.4f} lr {lr:.2e} "
                       f"{m['tokens_per_s']:.0f} tok/s ETA {eta / 60:.1f}m", flush=True)
-    run.amp = guard.amp  # evaluations after this stage run without autocast if it was cut
     if not params_finite(model.parameters()):
         raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
                              f"(lr {base_lr:g} too high?); nothing was saved")
-    meta = {"kind": tag, "step": steps, **run.identity()}
-    path = None
-    if run.sharded:  # every rank writes its shards
-        path = fsdp.save_sharded(model, None, meta, directory, steps, keep=1)
-    elif dist.is_main:
-        path = save_checkpoint({**meta, "model": model.state_dict()}, directory, steps, keep=1)
+    path = state.save(steps, optimizer=False, directory=directory, keep=1)
     run.print0(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
-    D.barrier()
+    return state.guard.amp
 
 
-def sft_loss(net, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+def sft_loss(net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
     shares up to one row."""
     keep = y >= 0
-    with autocast():  # the LM head in chunks: a big vocabulary never holds (B, T, V) logits
-        logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0))
+    # the LM head in chunks: a big vocabulary never holds (B, T, V) logits
+    logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0))
     return -(logp * keep).sum() / keep.sum().clamp(min=1)

@@ -49,13 +49,13 @@ def take(r: Rollout, rows: slice) -> Rollout:
                    r.completion_mask[rows], r.logprobs[rows], r.finished[rows])
 
 
-def gradient(net, r, rewards, ref_lp, cfg, world_size: int) -> None:
+def gradient(net, r, rewards, ref_lp, cfg) -> None:
     """The trainer's recipe: global normalisers, advantages, passes over micro-batches."""
     batch = advantages(rewards, r.completion_mask, cfg)
     batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)
     old = None
     for _ in range(cfg.num_iterations):
-        _, old = policy_pass(net, batches, batch, ref_lp, old, cfg, world_size)
+        _, old = policy_pass(net, batches, batch, ref_lp, old, cfg)
 
 
 def main(out_path: str) -> None:
@@ -79,7 +79,7 @@ def main(out_path: str) -> None:
                 head_dim=8, n_inner=48))
         r, rewards, ref_lp = make_batch(seed=1)
         net, _ = D.wrap_ddp(model, torch.device("cpu"))
-        gradient(net, take(r, mine), rewards[mine], ref_lp[mine], cfg, W)
+        gradient(net, take(r, mine), rewards[mine], ref_lp[mine], cfg)
         del net  # its reducer must not outlive the process group (abort at exit)
         gc.collect()
         grads[f"{family}/{agg}/{scale}/iters{iters}"] = [p.grad.clone()

@@ -97,10 +97,9 @@ def main(out_path: str, parallelism: str) -> None:
             r, rewards, ref_lp = take(r, mine), rewards[mine], ref_lp[mine]
             batch = advantages(rewards, r.completion_mask, cfg, r.finished)
             batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)
-            pad = int(D.all_reduce_max(torch.tensor([len(batches)])).item()) - len(batches) \
-                if sharded else 0
+            pad = fsdp.pad_passes(model, len(batches), torch.device("cpu"))
             counts.append(len(batches))
-            policy_pass(net, batches, batch, ref_lp, None, cfg, W, pad=pad)
+            policy_pass(net, batches, batch, ref_lp, None, cfg, pad=pad)
             fsdp.clip_grad_norm(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

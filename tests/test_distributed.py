@@ -62,8 +62,8 @@ def test_train_sh_with_amp_and_two_processes(tmp_path):
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_killed_rank_restarts_and_resumes_from_the_checkpoint(tmp_path, parallelism):
     out = tmp_path / "elastic"
-    r = torchrun("--max-restarts=1", "distributed_train.py", *TINY, f"--out_dir={out}",
-                 f"--parallelism={parallelism}", extra_env={"MINI_GRPO_FAULT": "crash:3"})
+    r = torchrun("--max-restarts=1", "tests/fault_worker.py", "--fault=crash:3", "--", *TINY,
+                 f"--out_dir={out}", f"--parallelism={parallelism}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[fault] rank 1 exits abruptly at step 3" in r.stdout
     assert "resuming GRPO from step 2" in r.stdout
@@ -77,8 +77,8 @@ def test_killed_rank_restarts_and_resumes_from_the_checkpoint(tmp_path, parallel
 
 def test_a_rank_that_raises_ends_the_job_quickly(tmp_path):
     t0 = time.monotonic()
-    r = torchrun("distributed_train.py", *TINY, f"--out_dir={tmp_path / 'raise'}",
-                 "--dist_timeout=60", extra_env={"MINI_GRPO_FAULT": "raise:2"}, timeout=240)
+    r = torchrun("tests/fault_worker.py", "--fault=raise:2", "--", *TINY,
+                 f"--out_dir={tmp_path / 'raise'}", "--dist_timeout=60", timeout=240)
     assert r.returncode != 0
     assert "injected fault on rank 1 at step 2" in r.stderr
     assert time.monotonic() - t0 < 120

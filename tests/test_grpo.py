@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mini_grpo.grpo import group_advantages, grpo_loss
+from mini_grpo.grpo import LossSettings, group_advantages, grpo_loss, zero_spread
 from mini_grpo.logprobs import completion_logprobs
 
 
@@ -13,27 +13,27 @@ def test_group_advantages_by_hand():
     # group 1: r = [1, 0], mean 0.5, std (population) 0.5 -> [+1, -1] (eps aside)
     # group 2: r = [0.2, 0.2], zero spread -> [0, 0]
     r = torch.tensor([1.0, 0.0, 0.2, 0.2])
-    a, zero = group_advantages(r, 2, "group", eps=0.0)
-    assert zero.tolist() == [False, True]
+    a = group_advantages(r, 2, "group", eps=0.0)
+    assert zero_spread(r, 2).tolist() == [False, True]
     torch.testing.assert_close(a, torch.tensor([1.0, -1.0, 0.0, 0.0]))
     # none (Dr. GRPO): just centred -> [0.5, -0.5, 0, 0]
-    a, _ = group_advantages(r, 2, "none")
+    a = group_advantages(r, 2, "none")
     torch.testing.assert_close(a, torch.tensor([0.5, -0.5, 0.0, 0.0]))
     # batch: centred / batch std. batch mean 0.35; deviations .65 -.35 -.15 -.15;
     # var = (.4225 + .1225 + .0225 + .0225) / 4 = .1475 -> std .38406
-    a, _ = group_advantages(r, 2, "batch", eps=0.0)
+    a = group_advantages(r, 2, "batch", eps=0.0)
     s = math.sqrt(0.1475)
     torch.testing.assert_close(a, torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]))
     # an externally given (global) std is used as is
-    a, _ = group_advantages(r, 2, "batch", eps=0.0, batch_std=2.0)
+    a = group_advantages(r, 2, "batch", eps=0.0, batch_std=2.0)
     torch.testing.assert_close(a, torch.tensor([0.25, -0.25, 0.0, 0.0]))
 
 
 def test_zero_spread_groups_get_zero_advantage_under_every_scaling():
     r = torch.tensor([0.7, 0.7, 0.7, 0.1, 0.9, 0.5])
     for scale in ("group", "batch", "none"):
-        a, zero = group_advantages(r, 3, scale)
-        assert zero.tolist() == [True, False]
+        a = group_advantages(r, 3, scale)
+        assert zero_spread(r, 3).tolist() == [True, False]
         assert a[:3].abs().max() == 0
 
 
@@ -50,10 +50,11 @@ def test_first_pass_ratio_one_gives_minus_advantage_for_every_aggregation():
     # dr_grpo: (-6 + 1) / (2 seqs x 3 max tokens) = -5/6
     expected = {"grpo": -0.5, "dapo": -1.25, "dr_grpo": -5 / 6}
     for agg, want in expected.items():
-        loss, stats = grpo_loss(logp, logp.detach(), ADV, MASK, agg=agg, max_new_tokens=3)
+        s = LossSettings(agg=agg, max_new_tokens=3)
+        loss, stats = grpo_loss(logp, logp.detach(), ADV, MASK, s)
         assert loss.item() == pytest.approx(want)
-        assert stats["ratio"].item() == pytest.approx(1.0)
-        assert stats["clip_low"].item() == 0 and stats["clip_high"].item() == 0
+        assert stats.ratio.item() == pytest.approx(1.0)
+        assert stats.clip_low.item() == 0 and stats.clip_high.item() == 0
 
 
 def test_clipping_by_hand():
@@ -65,38 +66,38 @@ def test_clipping_by_hand():
     old = torch.zeros(2, 3)
     logp = torch.log(torch.tensor([[1.5, 1.0, 0.5], [0.5, 1.0, 1.0]]))
     kw = dict(eps_low=0.2, eps_high=0.2, max_new_tokens=3)
-    loss, stats = grpo_loss(logp, old, ADV, MASK, agg="grpo", **kw)
+    loss, stats = grpo_loss(logp, old, ADV, MASK, LossSettings(agg="grpo", **kw))
     assert loss.item() == pytest.approx(-0.5)
-    loss, stats = grpo_loss(logp, old, ADV, MASK, agg="dapo", **kw)
+    loss, stats = grpo_loss(logp, old, ADV, MASK, LossSettings(agg="dapo", **kw))
     assert loss.item() == pytest.approx(-1.15)
     # clip_high: ratio 1.5 > 1.2 with A > 0 -> 1 of 4 tokens; clip_low: ratio 0.5 < 0.8 with A < 0
     # (seq 1) -> 1 of 4. seq 0's 0.5 has A > 0 and does not count as low-clipped.
-    assert stats["clip_high"].item() == pytest.approx(0.25)
-    assert stats["clip_low"].item() == pytest.approx(0.25)
+    assert stats.clip_high.item() == pytest.approx(0.25)
+    assert stats.clip_low.item() == pytest.approx(0.25)
     # ratio mean over real tokens: (1.5 + 1 + 0.5 + 0.5) / 4 = 0.875
-    assert stats["ratio"].item() == pytest.approx(0.875)
+    assert stats.ratio.item() == pytest.approx(0.875)
     # DAPO clip-higher: eps_high 0.6 no longer clips 1.5 -> token loss -3:
     # dapo: (-3 - 2 - 1 + 0.8) / 4 = -1.3
-    loss, stats = grpo_loss(logp, old, ADV, MASK, agg="dapo", eps_low=0.2, eps_high=0.6)
+    s = LossSettings(agg="dapo", eps_low=0.2, eps_high=0.6)
+    loss, stats = grpo_loss(logp, old, ADV, MASK, s)
     assert loss.item() == pytest.approx(-1.3)
-    assert stats["clip_high"].item() == 0
+    assert stats.clip_high.item() == 0
 
 
 def test_kl_k3_by_hand_and_zero_when_policy_equals_reference():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
-    loss0, stats = grpo_loss(logp, logp.detach(), torch.zeros(2), MASK, ref_logp=logp.clone(),
-                             beta=0.1, agg="dapo")
-    assert stats["kl"].item() == 0 and loss0.item() == 0
+    kl = LossSettings(beta=0.1, agg="dapo")
+    loss0, stats = grpo_loss(logp, logp.detach(), torch.zeros(2), MASK, kl, ref_logp=logp.clone())
+    assert stats.kl.item() == 0 and loss0.item() == 0
     # ref prob 0.25 vs policy 0.5 on every token: d = ln(0.25/0.5) = -ln 2
     # k3 = exp(d) - d - 1 = 0.5 + ln 2 - 1 = 0.193147; with A = 0 the loss is beta * k3
     ref = torch.log(torch.full((2, 3), 0.25))
-    loss, stats = grpo_loss(logp, logp.detach(), torch.zeros(2), MASK, ref_logp=ref,
-                            beta=0.1, agg="dapo")
+    loss, stats = grpo_loss(logp, logp.detach(), torch.zeros(2), MASK, kl, ref_logp=ref)
     k3 = 0.5 + math.log(2) - 1
-    assert stats["kl"].item() == pytest.approx(k3)
+    assert stats.kl.item() == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.1 * k3)
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, logp, ADV, MASK, beta=0.1)
+        grpo_loss(logp, logp, ADV, MASK, LossSettings(beta=0.1))
 
 
 def test_global_normalisers_make_micro_batches_sum_to_the_whole():
@@ -107,9 +108,11 @@ def test_global_normalisers_make_micro_batches_sum_to_the_whole():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]],
                         dtype=torch.bool)
     for agg in ("grpo", "dapo", "dr_grpo"):
-        whole, _ = grpo_loss(logp, old, adv, mask, agg=agg, max_new_tokens=5)
-        kw = dict(agg=agg, max_new_tokens=5, num_seqs=4, num_tokens=mask.sum())
-        parts = sum(grpo_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], **kw)[0]
+        s = LossSettings(agg=agg, max_new_tokens=5)
+        whole, _ = grpo_loss(logp, old, adv, mask, s)
+        kw = dict(num_seqs=4, num_tokens=mask.sum())
+        parts = sum(grpo_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], s,
+                              **kw)[0]
                     for i in (0, 2))
         torch.testing.assert_close(parts, whole)
 
@@ -140,11 +143,11 @@ def test_a_padded_position_with_a_very_low_policy_logprob_keeps_the_loss_finite(
     ref = torch.tensor([[-1.2, 0.0]])
     old = torch.tensor([[-1.0, 0.0]])
     for agg in ("grpo", "dapo", "dr_grpo"):
-        loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask, ref_logp=ref, beta=0.1,
-                                agg=agg, max_new_tokens=2)
+        loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask,
+                                LossSettings(beta=0.1, agg=agg, max_new_tokens=2), ref_logp=ref)
         logp.grad = None
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), agg
         assert logp.grad[0, 1] == 0  # the padded position carries no gradient
         # k3 at the real token: d = -0.2, exp(-0.2) + 0.2 - 1 = 0.018731
-        assert stats["kl"].item() == pytest.approx(math.exp(-0.2) + 0.2 - 1)
+        assert stats.kl.item() == pytest.approx(math.exp(-0.2) + 0.2 - 1)

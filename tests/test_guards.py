@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import events, metrics, tiny, tiny_gpt
+from fault_worker import installed
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 from mini_grpo.config import load_config
@@ -60,14 +61,14 @@ def test_guard_state_round_trips():
     assert (again.amp, again.lr_scale, again.next_rung, again.skipped) == (False, 0.5, 2, 2)
 
 
-def test_injected_nans_walk_down_the_ladder_in_order(tmp_path, monkeypatch):
+def test_injected_nans_walk_down_the_ladder_in_order(tmp_path):
     # steps 1-2 fine (checkpoint at 2), then NaN from step 3 on, two skips per rung
-    monkeypatch.setenv("MINI_GRPO_NAN_STEPS", ",".join(str(s) for s in range(3, 13)))
     cfg = load_config("tiny", {"out_dir": str(tmp_path / "run"), "mode": "grpo",
                                "num_eval": "8", "max_steps": "12", "save_every": "2",
                                "guard_patience": "2", "use_amp": "true", "amp_dtype": "bfloat16",
                                "reward_executor": "serial"}, env={})
-    with pytest.raises(GuardError, match="after every fallback"):
+    with installed(nan_steps=range(3, 13)), pytest.raises(GuardError,
+                                                          match="after every fallback"):
         train(cfg)
     ev = events(tmp_path / "run")
     fallbacks = [(s, e.split(": ", 1)[1]) for s, e in ev if e.startswith("fallback")]
@@ -82,10 +83,11 @@ def test_injected_nans_walk_down_the_ladder_in_order(tmp_path, monkeypatch):
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("USE_AMP", "OUT_DIR")}
-    env.update(OMP_NUM_THREADS="1", MINI_GRPO_NAN_STEPS="2", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "ddp"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=2", "distributed_train.py", "--config", "tiny",
+                        "--nproc_per_node=2", "tests/fault_worker.py", "--nan_steps=2", "--",
+                        "--config", "tiny",
                         "--mode=grpo", "--num_eval=8", "--max_steps=3", "--save_every=3",
                         f"--out_dir={out}"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -122,14 +124,13 @@ def test_a_resumed_run_keeps_amp_off_and_the_lr_halved(tmp_path, monkeypatch):
         dtype = "float16"
     except RuntimeError:
         dtype = "bfloat16"
-    monkeypatch.setenv("MINI_GRPO_NAN_STEPS", "2,3")
     over = dict(use_amp=True, amp_dtype=dtype, guard_patience=1, save_every=4)
     import mini_grpo.job as job
     calls, real = [], job.evaluate
     monkeypatch.setattr(job, "evaluate", lambda run, **kw: calls.append(kw["amp"]) or
                         real(run, **kw))
-    train(tiny(tmp_path / "run", max_steps=4, **over))
-    monkeypatch.delenv("MINI_GRPO_NAN_STEPS")
+    with installed(nan_steps=(2, 3)):
+        train(tiny(tmp_path / "run", max_steps=4, **over))
     assert calls == [True, True, False, False]  # before GRPO, then after AMP was cut
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_0000004.pt")
     assert state["guard"]["amp"] is False and state["guard"]["lr_scale"] == 0.5

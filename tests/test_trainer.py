@@ -2,6 +2,7 @@
 
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from conftest import tiny as tiny_config
 from mini_grpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from mini_grpo.job import train
 from mini_grpo.reference import Reference
-from mini_grpo.rollout import generate
+from mini_grpo.rollout import MicroBatch, generate
 
 
 def tiny(tmp_path, name, **kw):
@@ -82,9 +83,10 @@ def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
 def test_offloaded_reference_gives_the_same_logprobs():
     m = tiny_gpt()
     r = generate(m, [[1, 5, 6], [1, 7]], 10, 2, 0, generator=torch.Generator().manual_seed(0))
-    args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-    plain = Reference(m, torch.device("cpu"), offload=False).logprobs(*args)
-    offloaded = Reference(m, torch.device("cpu"), offload=True).logprobs(*args)
+    mb = MicroBatch(torch.arange(2), r.prompt_ids, r.prompt_mask, torch.arange(2),
+                    r.completion_ids, r.completion_mask)
+    plain = Reference(m, torch.device("cpu"), offload=False).logprobs(mb)
+    offloaded = Reference(m, torch.device("cpu"), offload=True).logprobs(mb)
     torch.testing.assert_close(plain, offloaded, rtol=0, atol=0)
     torch.testing.assert_close(plain, r.logprobs, rtol=0, atol=1e-5)
 
@@ -173,16 +175,16 @@ def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     batch = advantages(torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), r.completion_mask, cfg)
     batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, cfg.group_size)
     m.train()
-    acc, old = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), None, cfg,
-                           autocast=bf16)
+    state = SimpleNamespace(autocast=bf16, backward=torch.Tensor.backward)
+    acc, old = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), None, cfg, state)
     tokens = batch.num_tokens.item()
-    assert acc[4].item() / tokens == 1.0  # the mean ratio, exactly
-    assert acc[2].item() == 0 and acc[3].item() == 0  # nothing clipped
-    rows, n = batches[0][0], batches[0][4].size(1)
+    assert acc.ratio.item() / tokens == 1.0  # the mean ratio, exactly
+    assert acc.clip_low.item() == 0 and acc.clip_high.item() == 0  # nothing clipped
+    rows, n = batches[0].rows, batches[0].ids.size(1)
     assert not torch.equal(old[0], r.logprobs[rows, :n])  # what the old code used differs
     acc2, _ = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), old, cfg,
-                          autocast=bf16)  # the second pass reuses them
-    assert acc2[4].item() / tokens != 1.0  # dropout: a fresh pass is not the same
+                          state)  # the second pass reuses them
+    assert acc2.ratio.item() / tokens != 1.0  # dropout: a fresh pass is not the same
 
 
 def test_resume_refuses_what_cannot_work_and_logs_what_changed(tmp_path):

@@ -1,0 +1,162 @@
+"""TrainState: what a training stage carries from step to step, shared by SFT, GRPO and RFT's
+SFT: the optimizer, the loss scaler, the NaN/Inf guard (its autocast verdict and lr scale),
+the step and the sampling RNG.
+
+    state = TrainState(run, lr=cfg.lr, total=cfg.max_steps, warmup=cfg.warmup_steps, amp=amp)
+    for step in range(state.current_step + 1, total + 1):
+        lr = state.begin(step)               # the schedule, times the guard's lr scale
+        with state.autocast():               # off once the guard has cut it
+            loss = ...
+        state.backward(loss)
+        state.step(loss.detach())            # unscale, clip, guard, AdamW (or a skip)
+        state.save(step)                     # one file, or DCP shards under fsdp
+    state.restore(checkpoint)                # weights, optimizer, guard, scaler, RNG, step
+
+The autocast verdict is handed from stage to stage on purpose: a stage starts from the
+verdict of the one before it (`amp`), and if its guard cuts autocast (the amp_off rung), the
+rest of the job, the next stages and the evaluations after them, runs in fp32. The verdict
+travels in every checkpoint with the guard's state, so a resumed run keeps it too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import distributed as D
+from . import fsdp
+from .checkpoint import latest_checkpoint, list_checkpoints, load_weights, rng_state, save
+from .checkpoint import set_rng_state as _set_rng
+from .guards import Guard, finite_everywhere, params_finite
+from .optim import lr_at, make_optimizer, set_lr
+
+
+class TrainState:
+    def __init__(self, run, lr: float, total: int, warmup: int, amp: bool = True,
+                 tag: str = "grpo", directory: str | Path | None = None, keep: int = 0,
+                 seed: int | None = None):
+        """`lr` peaks after `warmup` of `total` steps (lr_at); `amp`: the autocast verdict
+        the previous stage handed on; `directory`: where save() writes (keeping the newest
+        `keep`, 0 = all) and the guard's restore rung reads (None: no restore rung);
+        `seed`: this rank's sampling RNG (GRPO)."""
+        cfg, self.run, self.model, self.tag = run.cfg, run, run.model, tag
+        self.lr, self.total, self.warmup = lr, total, warmup
+        self.directory, self.keep = (Path(directory) if directory else None), keep
+        self.opt = make_optimizer(run.model, lr, cfg.weight_decay, fused=cfg.fused_optimizer)
+        precision = run.precision
+        uses = precision.dtype is not None or (tag == "grpo" and
+                                               precision.generation_dtype is not None)
+        self.guard = Guard(cfg.guard_patience, amp=amp, stage=tag.upper(), autocast=uses)
+        self.scaler = precision.scaler(self.guard.amp)
+        self.gen = None if seed is None else \
+            torch.Generator(device=run.device).manual_seed(seed)
+        self.current_step = 0  # the step being taken; after restore(), the checkpoint's
+        self.last_lr = 0.0
+        self.grad_norm = torch.zeros(())
+
+    # ---- one step
+    def begin(self, step: int) -> float:
+        """Starts `step` (from 1): sets and returns its learning rate."""
+        self.current_step = step
+        self.last_lr = lr_at(step, self.lr, self.warmup, self.total) * self.guard.lr_scale
+        set_lr(self.opt, self.last_lr)
+        return self.last_lr
+
+    def autocast(self, generation: bool = False):
+        """The run's autocast for training passes (or sampling), unless the guard cut it."""
+        return self.run.precision.autocast(generation, enabled=self.guard.amp)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()  # scaled only under fp16
+
+    def step(self, loss: torch.Tensor, *good: torch.Tensor) -> bool:
+        """The guarded optimizer step over the accumulated gradients: unscale, clip, ask the
+        guard (agreed across ranks) whether the loss, the gradient norm, the parameters and
+        the flags `good` (True when fine) are all finite, then step, or skip and maybe take
+        the next rung of the fallback ladder. Returns whether the update went through."""
+        self.scaler.unscale_(self.opt)
+        clip = self.run.cfg.grad_clip or float("inf")
+        self.grad_norm = fsdp.clip_grad_norm(self.model.parameters(), clip)
+        # with fp16 loss scaling, overflowing gradients are the scaler's to skip
+        norm = loss if self.scaler.is_enabled() else self.grad_norm
+        ok = self.guard.check(loss, norm, *good, params_finite(self.model.parameters()))
+        if ok:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self._skipped()
+        self.opt.zero_grad(set_to_none=True)
+        return ok
+
+    def _skipped(self) -> None:
+        """A skipped step, on every rank alike: log it, walk the ladder."""
+        step = self.current_step
+        if self.scaler.is_enabled():
+            self.scaler.update(self.scaler.get_scale() / 2)
+        self._say(step, f"non-finite loss, gradient, weights or logits: step skipped "
+                        f"({self.guard.consecutive} in a row, {self.guard.skipped} in all)")
+        # every rank must see the checkpoint (shared storage) for "restore" to be agreed
+        mine = float(self.directory is not None and bool(list_checkpoints(self.directory)))
+        have = D.all_reduce_sum(torch.tensor([mine], device=self.run.device)).item() \
+            == self.run.dist.world_size
+        amp = self.guard.amp
+        what = self.guard.fallback(have, self._restore_newest, where=f"step {step}")
+        if what:
+            self._say(step, f"fallback after {self.guard.patience} skipped steps: {what}")
+        if self.guard.amp != amp:
+            self.scaler = self.run.precision.scaler(self.guard.amp)
+
+    def _restore_newest(self) -> str:
+        """The guard's restore rung: the newest checkpoint's weights and optimizer state."""
+        path, ckpt = latest_checkpoint(self.directory)
+        load_weights(ckpt, self.model, self.opt, source=str(path))
+        return str(path)
+
+    def _say(self, step: int, message: str) -> None:
+        if self.run.logger:
+            self.run.logger.event(step, message)
+        elif self.tag != "grpo":
+            self.run.print0(f"[{self.tag}] step {step}: {message}")
+
+    def metrics(self) -> dict[str, float]:
+        g = self.guard
+        return {"grad_norm": self.grad_norm.item(), "lr": self.last_lr,
+                "guard/skipped": g.skipped, "guard/rungs_used": g.next_rung,
+                "guard/amp": float(g.amp), "guard/lr_scale": g.lr_scale}
+
+    # ---- on disk
+    def save(self, step: int, optimizer: bool = True, directory: str | Path | None = None,
+             keep: int | None = None) -> Path | None:
+        """A checkpoint of every rank's state (a collective: every rank calls it), written
+        only from finite parameters (a NaN must never reach the disk): under fsdp every
+        rank writes its shards, else rank 0 one file. `optimizer=False`: the weights, the
+        guard and the step only (a finished SFT stage); `directory` and `keep` default to
+        the state's. Returns the path (None where this rank wrote nothing, or nothing was
+        written)."""
+        meta = {"kind": self.tag, "step": step, "guard": self.guard.state_dict(),
+                "rng": D.all_gather_object(rng_state(self.gen)),  # every rank's
+                **self.run.identity()}
+        if optimizer:
+            meta["scaler"] = self.scaler.state_dict()
+        if not finite_everywhere(self.model):
+            self.run.print0(f"[mini-grpo] {self.tag} step {step}: parameters are not finite, "
+                            f"checkpoint NOT written")
+            return None
+        path = save(self.model, self.opt if optimizer else None, meta,
+                    directory or self.directory, step, self.keep if keep is None else keep)
+        D.barrier()
+        return path
+
+    def restore(self, ckpt: dict, source: str = "checkpoint") -> None:
+        """Continues from a loaded checkpoint: its weights and optimizer state (read once,
+        in whichever form they were saved), the guard, the loss scale, this rank's RNG and
+        the step."""
+        load_weights(ckpt, self.model, self.opt, source=source)
+        self.guard.load_state_dict(ckpt.get("guard", {}))
+        self.scaler = self.run.precision.scaler(self.guard.amp)  # follows the verdict
+        if ckpt.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(ckpt["scaler"])
+        rngs = ckpt["rng"]
+        _set_rng(rngs[min(self.run.dist.rank, len(rngs) - 1)], self.gen)
+        self.current_step = ckpt["step"]
