@@ -13,19 +13,19 @@
 Every section builds its run with mini_grpo.run.setup from a copy of the config (overrides
 never touch the caller's) and measures the GRPO loop through the metrics it logs.
 
-Time budget (CPU; mini_grpo/budget.py): a short probe of this machine (a timed forward and a
-few cached sampling steps of the config's model, seconds at most) feeds `plan()`, which picks
-the sizes (generation batch and repeats, whether the full-recompute baseline runs whole or for
-a few decode steps, extrapolated and labelled so, reward rows, prompts per GRPO step, warm-up
-and timed steps) so that the whole command takes about --budget_s seconds (600 on a CPU; none
-on a GPU unless given). The plan and its estimate per section are printed first; whatever it
-shrinks or skips is said. Sizes given on the command line are kept as they are. Progress goes
-to stderr: one updating line on a terminal, plain lines otherwise.
+Time budget (CPU; mini_grpo/benchmarks/budget.py): a short probe of this machine (a timed
+forward and a few cached sampling steps of the config's model, seconds at most) feeds `plan()`,
+which picks the sizes (generation batch and repeats, whether the full-recompute baseline runs
+whole or for a few decode steps, extrapolated and labelled so, reward rows, prompts per GRPO
+step, warm-up and timed steps) so that the whole command takes about --budget_s seconds (600 on
+a CPU; none on a GPU unless given). The plan and its estimate per section are printed first;
+whatever it shrinks or skips is said. Sizes given on the command line are kept as they are.
+Progress goes to stderr: one updating line on a terminal, plain lines otherwise.
 
 Generation: `batch` held-out prompts, exactly `new_tokens` new tokens each (EOS ignored, so
 both paths do the same work), the config's model with random weights; tokens/s is the median
 over `repeats` runs after one warm-up, the two paths interleaved so machine noise hits both.
-Rewards: see mini_grpo/rewards/bench.py. Step: real GRPO steps of the config from random
+Rewards: see mini_grpo/benchmarks/rewards.py. Step: real GRPO steps of the config from random
 weights (or `--init_from=CKPT`); medians over the timed steps of seconds per step and per
 phase, tokens/s, MFU, and the seconds in communication: DDP's gradient all-reduce, or FSDP's
 all-gathers and reduce-scatters in the policy update (`time/comm`) and, under fsdp, in
@@ -48,7 +48,7 @@ from dataclasses import asdict
 
 import torch
 
-from mini_grpo.budget import (
+from mini_grpo.benchmarks.budget import (
     SECTIONS,
     Plan,
     Probe,
@@ -471,11 +471,11 @@ def main(argv=None) -> int:
         result["scaling"] = bench_scaling(args, rest)
         print(format_scaling(result["scaling"]))
     if args.only == "logits_memory":
-        from mini_grpo.bench_logits import format_logits_memory, logits_memory
+        from mini_grpo.benchmarks.logits import format_logits_memory, logits_memory
         result["logits_memory"] = logits_memory(device="cpu" if on_cpu else "cuda")
         print(format_logits_memory(result["logits_memory"]))
     if "rewards" in sections:
-        from mini_grpo.rewards.bench import format_reward_table, run_reward_benchmark
+        from mini_grpo.benchmarks.rewards import format_reward_table, run_reward_benchmark
         result["rewards"] = run_reward_benchmark(n=p.reward_rows, seed=cfg.seed,
                                                  workers=cfg.num_reward_workers)
         print(format_reward_table(result["rewards"]))

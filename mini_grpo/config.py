@@ -6,6 +6,11 @@ Sources, lowest precedence first:
 
 Bad input raises ConfigError with one line that names the key, file or variable; entry points
 turn it into exit code 2 before any work starts.
+
+`task_args` belong to a task: a layer's task_args apply only when the task in effect after
+that layer is the final one (a preset's chess_fen options are dropped, with a note on stderr,
+when the command line picks countdown). The task validates them through task_registry, so
+the config imports no task.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .fields import ConfigError, coerce
+from .fields import MAX_DEPTH, ConfigError, coerce, show, unreadable
+from .task_registry import MAX_GENERATED, resolve_task_args
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -46,10 +52,12 @@ class GRPOConfig:
     # ---- task and data ----
     task: str = "chess_fen"
     # the task's own options, validated by the task (`--task_args.max_plies=8` on the command
-    # line); chess_fen: num_train, min_plies, max_plies, move_format, pgn_path (tasks/)
+    # line; `--task_args='{}'` clears a preset's); chess_fen: num_train, min_plies, max_plies,
+    # move_format, pgn_path (tasks/). Options set for another task than the final one are
+    # dropped with a note.
     task_args: dict = dataclasses.field(default_factory=dict)
     data_path: str = ""  # JSONL of {"prompt", "target"} rows; replaces the task's own data
-    num_eval: int = 512  # held-out prompts, never seen in training
+    num_eval: int = 512  # held-out prompts, never seen in training (at most 10 million)
     rewards: list | None = None  # [{name: ..., weight: ...}]; None = the task's defaults
 
     # ---- reward scoring ----
@@ -174,8 +182,9 @@ class GRPOConfig:
     # a collective that waits longer than this (a dead or stuck rank) fails the job
     dist_timeout: float = 600.0
 
-    def validate(self) -> None:
-        """Range checks types cannot express (values are typed and finite: fields.coerce)."""
+    def validate(self, task_args_from: dict[str, str] | None = None) -> None:
+        """Range checks types cannot express (values are typed and finite: fields.coerce);
+        `task_args_from` names the file or layer of each task_args key, for errors."""
         positive = ["num_eval", "n_layer", "n_head", "n_embd", "block_size",
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
@@ -192,6 +201,8 @@ class GRPOConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.num_eval > MAX_GENERATED:
+            raise ConfigError(f"num_eval: must be <= {MAX_GENERATED:,}, got {self.num_eval}")
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")
@@ -211,12 +222,10 @@ class GRPOConfig:
             raise ConfigError("resume: must be auto, never or a checkpoint path")
         if self.rewards is not None:
             _check_rewards(self.rewards)
-        if set(self.report_to) - set(TRACKERS):
+        if any(t not in TRACKERS for t in self.report_to):
             raise ConfigError(f"report_to: must list only {', '.join(TRACKERS)}, got "
-                              f"{self.report_to}")
-        from mini_grpo.tasks import resolve_task_args  # the task validates its own options
-
-        self.task_args = resolve_task_args(self.task, self.task_args)
+                              f"{show(self.report_to)}")
+        self.task_args = resolve_task_args(self.task, self.task_args, task_args_from)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -248,36 +257,24 @@ def _check_rewards(rewards: Any) -> None:
         raise ConfigError("rewards: must be a non-empty list of {name: ..., weight: ...}")
     for i, r in enumerate(rewards):
         if not isinstance(r, dict) or not isinstance(r.get("name"), str) or not r["name"]:
-            raise ConfigError(f"rewards[{i}]: must be a mapping with a 'name' string, got {r!r}")
+            raise ConfigError(f"rewards[{i}]: must be a mapping with a 'name' string, "
+                              f"got {show(r)}")
         extra = set(r) - {"name", "weight"}
         if extra:
             raise ConfigError(f"rewards[{i}]: unknown key {sorted(extra)[0]!r} "
                               f"(allowed: name, weight)")
         w = r.get("weight", 1.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ConfigError(f"rewards[{i}].weight: must be a finite number, got {w!r}")
+            raise ConfigError(f"rewards[{i}].weight: must be a finite number, got {show(w)}")
 
 
-def _unknown_key(key: str, where: str, known=None) -> ConfigError:
-    if key in LEGACY_TASK_ARGS and known is None:
+def _unknown_key(key: str, where: str) -> ConfigError:
+    if key in LEGACY_TASK_ARGS:
         return ConfigError(f"{where}{key}: moved into the task's arguments: write "
                            f"task_args: {{{key}: ...}} in YAML, or --task_args.{key}=...")
-    close = difflib.get_close_matches(key, list(known or _FIELDS), n=1)
+    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"{where}unknown key '{key}'{hint}")
-
-
-def coerce_fields(schema, values: dict[str, Any], where: str = "") -> dict[str, Any]:
-    """A mapping checked against a dataclass's typed fields (unknown keys and bad values
-    name the key): how tasks validate `task_args` with the config's own rules."""
-    hints = typing.get_type_hints(schema)
-    known = [f.name for f in dataclasses.fields(schema)]
-    out = {}
-    for key, value in values.items():
-        if key not in hints:
-            raise _unknown_key(str(key), where, known)
-        out[key] = coerce(key, value, hints[key], where)
-    return out
 
 
 def resolve_config_path(name: str) -> Path:
@@ -306,6 +303,10 @@ def _read_yaml(path: Path) -> dict[str, tuple[Any, int]]:
         line = f":{mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{path}{line}: malformed YAML: {problem}") from None
+    except RecursionError:  # YAML's composer recurses per level: ~500 levels overflow it
+        raise ConfigError(f"{path}: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # a constructor's: an int over the int-string limit, a bad date
+        raise ConfigError(f"{path}: {unreadable(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -340,16 +341,28 @@ LEGACY_TASK_ARGS = ("num_train", "min_plies", "max_plies", "move_format", "pgn_p
 
 
 class _Layers:
-    """Config values gathered layer by layer (later layers win); `task_args.KEY` merges into
-    the task_args mapping, and the legacy switch `parallel_rewards` maps onto
-    reward_executor (false: serial; true: a pool, process unless one is chosen)."""
+    """Config values gathered layer by layer (later layers win); the legacy switch
+    `parallel_rewards` maps onto reward_executor (false: serial; true: a pool, process unless
+    one is chosen).
+
+    task_args are kept per key with where they were set and the task in effect once their
+    layer is read (`end_layer`): `task_args.KEY` sets one key, a `task_args` mapping the keys
+    it names, or, when `replace` (the command line), replaces all that came before."""
 
     def __init__(self):
         self.values: dict[str, Any] = {}
+        self.args: dict[str, tuple[Any, str, str, str]] = {}  # key: value, where, layer, task
+        self.pending: dict[str, tuple[Any, str]] = {}  # this layer's: key: value, where
 
-    def set(self, key: str, value: Any, where: str) -> None:
+    def set(self, key: str, value: Any, where: str, replace: bool = False) -> None:
         if key.startswith("task_args."):
-            self.values.setdefault("task_args", {})[key.partition(".")[2]] = value
+            self.pending[key.partition(".")[2]] = (value, where)
+            return
+        if key == "task_args":
+            value = coerce(key, value, dict, where)
+            if replace:
+                self.args, self.pending = {}, {}
+            self.pending.update({str(k): (v, where) for k, v in value.items()})
             return
         if key == "parallel_rewards":
             on = coerce(key, value, bool, where)
@@ -359,10 +372,26 @@ class _Layers:
             return
         if key not in _FIELDS:
             raise _unknown_key(key, where)
-        value = coerce(key, value, _TYPES[key], where)
-        if key == "task_args":  # a mapping replaces the keys it names, not the whole set
-            value = {**self.values.get("task_args", {}), **value}
-        self.values[key] = value
+        self.values[key] = coerce(key, value, _TYPES[key], where)
+
+    def end_layer(self, layer: str) -> None:
+        task = self.values.get("task", _FIELDS["task"].default)
+        self.args.update({k: (v, where, layer, task) for k, (v, where) in self.pending.items()})
+        self.pending = {}
+
+    def task_args(self) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+        """(task_args, where each was set, notes): those of layers whose task is the final
+        one; one note per layer whose task_args were for another task."""
+        final = self.values.get("task", _FIELDS["task"].default)
+        args, where, dropped = {}, {}, {}
+        for key, (value, at, layer, task) in self.args.items():
+            if task == final:
+                args[key], where[key] = value, at
+            else:
+                dropped.setdefault(layer, task)
+        notes = [f"task_args from {layer} were for {task}, not applied to {final}"
+                 for layer, task in dropped.items()]
+        return args, where, notes
 
 
 def load_config(config: str | None = None, overrides: dict[str, Any] | None = None,
@@ -370,29 +399,35 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
                 base_where: str = "") -> GRPOConfig:
     """Builds the config from defaults < `base` (a checkpoint's stored config, checked like
     any other layer) < YAML < environment < overrides, then validates it."""
-    layers, rows = _Layers(), None
+    layers, rows, notes = _Layers(), None, []
     for key, value in (base or {}).items():
         if key in LEGACY_TASK_ARGS:  # saved before task_args existed
             key = f"task_args.{key}"
-        layers.set(key, value, f"{base_where}config key ")
+        layers.set(str(key), value, f"{base_where}config key ")
+    layers.end_layer(base_where.rstrip(": ") or "the stored config")
     if config:
         path = resolve_config_path(config)
         rows = _read_yaml(path)
         for key, (value, line) in rows.items():
             layers.set(key, value, f"{path}:{line}: ")
+        layers.end_layer(str(path))
+        if not rows:
+            notes.append(f"{path} sets nothing: every key takes its default")
     env = os.environ if env is None else env
     for var, key in ENV_VARS.items():
         if var in env:
             layers.set(key, env[var], f"environment variable {var}: ")
+    layers.end_layer("the environment")
     for key, value in (overrides or {}).items():
-        layers.set(key, value, "command line: --")
-    cfg = GRPOConfig(**layers.values)
-    cfg.validate()
-    if rows == {}:
-        print(f"[mini-grpo] note: {path} sets nothing: every key takes its default",
-              file=sys.stderr)
+        layers.set(key, value, "command line: --", replace=True)
+    layers.end_layer("the command line")
+    task_args, task_args_from, dropped = layers.task_args()
+    cfg = GRPOConfig(**{**layers.values, "task_args": task_args})
+    cfg.validate(task_args_from)
+    for note in notes + dropped:
+        print(f"[mini-grpo] note: {note}", file=sys.stderr)
     return cfg
 
 
-__all__ = ["GRPOConfig", "ConfigError", "ENV_VARS", "coerce_fields", "load_config", "parse_cli",
+__all__ = ["GRPOConfig", "ConfigError", "ENV_VARS", "load_config", "parse_cli",
            "resolve_config_path"]

@@ -1,10 +1,15 @@
 """Typed values from YAML, environment and command-line text: the one set of rules the
 config's fields and every task's `task_args` are checked with. Bad input is a ConfigError
-whose message names the key (and, through `where`, the file, line or variable)."""
+whose message names the key (and, through `where`, the file, line or variable).
+
+A leaf: it imports nothing of mini_grpo, so every module may take ConfigError from here.
+"""
 
 from __future__ import annotations
 
 import math
+import reprlib
+import sys
 import types
 import typing
 from typing import Any, Literal
@@ -14,14 +19,83 @@ import yaml
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
+# lists and mappings nested deeper than this in one value are refused: a config has no use for
+# them, and code that walks values recursively (repr, asdict, YAML's own) would overflow
+MAX_DEPTH = 100
+
 
 class ConfigError(ValueError):
     """Bad configuration input: the message is one line naming the culprit."""
 
 
+_SHORT = reprlib.Repr()  # show()'s limits
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlong = 40
+_SHORT.maxlevel = 3
+
+
+def show(value: Any) -> str:
+    """repr() cut to a line's worth, and bounded in time for huge or shared structures."""
+    try:
+        return _SHORT.repr(value)
+    except ValueError:  # an int over Python's int-string limit
+        return f"<{type(value).__name__} too large to show>"
+
+
+def _depth(value: Any) -> float:
+    """Levels of list/dict nesting (a scalar 0, [1] 1, [[1]] 2); inf for a value that contains
+    itself. Iterative, and each shared part (a YAML alias) is walked once."""
+    memo: dict[int, float] = {}
+    open_: set[int] = set()  # on the current path: met again, the value contains itself
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        v, done = stack.pop()
+        if not isinstance(v, (list, dict)):
+            continue
+        kids = [k for k in (v.values() if isinstance(v, dict) else v)
+                if isinstance(k, (list, dict))]
+        if done:
+            open_.discard(id(v))
+            memo[id(v)] = 1 + max((memo[id(k)] for k in kids), default=0)
+        elif id(v) in open_:
+            return math.inf
+        elif id(v) not in memo:
+            open_.add(id(v))
+            stack.append((v, True))
+            stack.extend((k, False) for k in kids)
+    return memo.get(id(value), 0)
+
+
+def _check_depth(key: str, value: Any, where: str = "") -> None:
+    d = _depth(value)
+    if d > MAX_DEPTH:
+        what = "contains itself" if d == math.inf else f"nested deeper than {MAX_DEPTH} levels"
+        raise ConfigError(f"{where}{key}: {what}")
+
+
+def _parse_yaml_text(key: str, text: str, where: str = "") -> Any:
+    """A command-line or environment value read as YAML, with every failure a ConfigError."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"{where}{key}: cannot parse {show(text)} as YAML") from None
+    except RecursionError:
+        raise ConfigError(f"{where}{key}: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # a constructor's: an int over the int-string limit, a bad date
+        raise ConfigError(f"{where}{key}: {unreadable(e)}") from None
+
+
+def unreadable(e: ValueError) -> str:
+    """A YAML or JSON constructor's ValueError, said in one line."""
+    if "integer string conversion" in str(e):
+        return f"an integer longer than {sys.get_int_max_str_digits()} digits"
+    return f"unreadable value ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+
+
 def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
     """`value` checked against the type `tp` (bool, int, float, str, list, dict, a Literal,
     or an Optional of one); strings (environment, command line) are parsed first."""
+    _check_depth(key, value, where)
     optional = False
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -34,55 +108,56 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
         if optional and text.lower() in ("", "none", "null"):
             return None
         if tp in (list, dict):
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError:
-                raise ConfigError(f"{where}{key}: cannot parse {text!r} as YAML") from None
+            value = _parse_yaml_text(key, text, where)
+            _check_depth(key, value, where)
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{where}{key}: must not be empty")
 
-    bad = ConfigError(f"{where}{key}: expected {_type_name(tp)}, got {value!r}")
+    bad = lambda: ConfigError(f"{where}{key}: expected {_type_name(tp)}, got {show(value)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
-        raise bad
+        raise bad()
     if tp is int:
         if isinstance(value, str):
             try:
                 return int(value.strip())
-            except ValueError:
-                raise bad from None
+            except ValueError as e:
+                if value.strip().lstrip("+-").isdigit():  # over the int-string limit
+                    raise ConfigError(f"{where}{key}: {unreadable(e)}") from None
+                raise bad() from None
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise bad
+        raise bad()
     if tp is float:
         if isinstance(value, str):
             try:
                 value = float(value.strip())
             except ValueError:
-                raise bad from None
+                raise bad() from None
         elif not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise bad
+            raise bad()
         if not math.isfinite(value):  # NaN/Inf pass every `<= 0` check and break runs later
-            raise ConfigError(f"{where}{key}: must be a finite number, got {value!r}")
+            raise ConfigError(f"{where}{key}: must be a finite number, got {show(value)}")
         return float(value)
     if tp is str:
         if isinstance(value, str):
             return value
-        raise bad
+        raise bad()
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, str) and value.strip() in choices:
             return value.strip()
-        raise ConfigError(f"{where}{key}: must be one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(f"{where}{key}: must be one of {', '.join(choices)}, "
+                          f"got {show(value)}")
     if tp in (list, dict):
         if isinstance(value, tp):
             return value
-        raise bad
+        raise bad()
     raise TypeError(f"config field {key} has an unsupported type {tp}")
 
 

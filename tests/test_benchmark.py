@@ -7,7 +7,7 @@ import sys
 
 from conftest import ROOT, clean_env
 
-from mini_grpo.budget import SECTIONS, Probe, Shape, estimate, plan
+from mini_grpo.benchmarks.budget import SECTIONS, Probe, Shape, estimate, plan
 
 # the production model's shape on the chess task: 70-token prompts, 80 new tokens, G = 16
 SHAPE = Shape(prompt_len=70, max_new_tokens=80, group_size=16)

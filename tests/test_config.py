@@ -57,6 +57,18 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--group_size=x"], {}, ["group_size", "'x'"]),
     ("", ["--amp_dtype=int8"], {}, ["amp_dtype", "bfloat16"]),
     ("rewards: [{weight: 1}]\n", [], {}, ["rewards[0]", "name"]),
+    # nested past YAML's own recursion limit, or past ours (100) with the key and line
+    ("task_args: " + "[" * 3000 + "]" * 3000 + "\n", [], {}, ["bad.yaml", "nested deeper"]),
+    ("seed: 1\nrewards: " + "[" * 150 + "]" * 150 + "\n", [], {},
+     ["bad.yaml:2: rewards: nested deeper than 100 levels"]),
+    ("", ["--task_args=" + "[" * 3000 + "]" * 3000], {},
+     ["--task_args: nested deeper than 100 levels"]),
+    ("task_args: &a {x: *a}\n", [], {}, ["bad.yaml:1: task_args: contains itself"]),
+    ("seed: " + "1" * 100_000 + "\n", [], {}, ["bad.yaml", "integer longer than"]),
+    # data generation is bounded
+    ("", ["--task=countdown", "--task_args.num_train=1000000000000"], {},
+     ["task_args.num_train: must be in 1..10,000,000"]),
+    ("", ["--num_eval=1000000000000"], {}, ["num_eval: must be <= 10,000,000"]),
 ])
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, yaml_text, args, env, expected):
     cfg_file = tmp_path / "bad.yaml"
@@ -163,3 +175,56 @@ def test_an_empty_config_file_says_so(tmp_path):
     empty.write_text("# nothing here yet\n")
     r = run_entry("--config", str(empty), "--print-config")
     assert r.returncode == 0 and "sets nothing: every key takes its default" in r.stderr
+
+
+# ---- task_args belong to a task ----
+
+def test_a_presets_task_args_are_not_applied_to_another_task(capsys):
+    r = run_entry("--config", "tiny", "--task=jsonl", "--data_path=rows.jsonl", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["task_args"] == {}
+    note = [line for line in r.stderr.splitlines() if "task_args" in line]
+    assert len(note) == 1 and note[0].startswith("[mini-grpo] note: task_args from ")
+    assert note[0].endswith("tiny.yaml were for chess_fen, not applied to jsonl"), note
+    # the same from a checkpoint's stored config
+    stored = load_config("tiny", env={}).to_dict()
+    cfg = load_config(None, {"task": "countdown"}, env={}, base=stored, base_where="ck.pt: ")
+    assert cfg.task_args["num_train"] == 20000  # countdown's default, not chess's 256
+    assert capsys.readouterr().err == ("[mini-grpo] note: task_args from ck.pt were for "
+                                       "chess_fen, not applied to countdown\n")
+
+
+def test_task_args_on_the_command_line_merge_by_key_and_replace_as_a_mapping():
+    assert load_config("tiny", env={}).task_args["num_train"] == 256  # the preset's
+    merged = load_config("tiny", {"task_args.max_plies": "8"}, env={}).task_args
+    assert (merged["num_train"], merged["max_plies"]) == (256, 8)
+    cleared = load_config("tiny", {"task_args": "{}"}, env={}).task_args
+    assert cleared["num_train"] == 50000  # chess_fen's default again
+    again = load_config("tiny", {"task_args": "{}", "task_args.max_plies": "8"}, env={})
+    assert (again.task_args["num_train"], again.task_args["max_plies"]) == (50000, 8)
+    # a YAML layer's task_args apply when its task (its own or the one before) is the final
+    kept = load_config("tiny", {"task": "chess_fen"}, env={})
+    assert kept.task_args["num_train"] == 256
+    lm = load_config("countdown_tiny_lm", env={})
+    assert lm.task_args["num_train"] == 64 and lm.task_args["prompt_style"] == "instruct"
+
+
+def test_a_wrong_task_arg_names_the_task_the_layer_and_the_tasks_own_options(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("task: countdown\ntask_args: {num_trian: 5}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), env={})
+    assert str(e.value) == (
+        f"{path}:2: task_args.num_trian: unknown key for task countdown (did you mean "
+        f"'num_train'? its options: min_numbers, max_numbers, num_train, prompt_style, "
+        f"answer_tag)")
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", {"task": "jsonl", "task_args.num_train": "5"}, env={})
+    assert str(e.value) == ("command line: --task_args.num_train: unknown key: task jsonl "
+                            "takes no options")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: task_args.num_train: expected an int"):
+        path.write_text("task: countdown\ntask_args: {num_train: many}\n")
+        load_config(str(path), env={})
+    with pytest.raises(ConfigError, match="unknown task 'go' .available: chess_fen, "
+                                          "countdown, jsonl"):
+        load_config(None, {"task": "go"}, env={})

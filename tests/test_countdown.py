@@ -178,6 +178,7 @@ def test_rewards_are_registered_and_default():
     ({"min_numbers": 5}, "task_args.min_numbers"),  # > max_numbers (4)
     ({"max_numbers": 7}, "task_args.max_numbers"),
     ({"num_train": 0}, "task_args.num_train"),
+    ({"num_train": 10**12}, r"task_args.num_train: must be in 1..10,000,000"),  # bounded
     ({"answer_tag": "my answer"}, "task_args.answer_tag"),
     ({"answer_tag": ""}, "task_args.answer_tag"),
     ({"prompt_style": "long"}, "task_args.prompt_style"),

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mini_grpo.benchmarks.rewards import random_edits, realistic_batch
 from mini_grpo.config import ConfigError, load_config
-from mini_grpo.rewards.bench import random_edits, realistic_batch
 from mini_grpo.scoring import RewardError, RewardScorer
 from mini_grpo.tasks import build_task
 from mini_grpo.tasks.chess_fen import ALPHABET, DEFAULT_REWARDS

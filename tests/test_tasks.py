@@ -248,6 +248,23 @@ def test_deeply_nested_jsonl_row_is_a_clear_error(tmp_path):
         load_jsonl(path)
 
 
+def test_a_jsonl_integer_over_pythons_digit_limit_names_file_and_line(tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "target": "b"}) + "\n"
+                    + '{"prompt": "a", "target": "b", "n": ' + "9" * 100_000 + "}\n")
+    with pytest.raises(ConfigError, match="big.jsonl:2: an integer longer than 4300 digits"):
+        load_jsonl(path)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("num_train", "1000000000000", "task_args.num_train: must be in 1..10,000,000"),
+    ("max_plies", "1000000000", "task_args.max_plies: must be <= 1000"),
+])
+def test_generated_data_is_bounded(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config(**{key: value})
+
+
 def test_chess_task_brings_its_own_evaluation_extras():
     task = build_task(config(num_train=10, num_eval=5))
     cols = task.eval_columns(task.eval[:2], [task.eval[0].target, "not a fen"])

@@ -30,7 +30,7 @@ import importlib.metadata
 import inspect
 from collections.abc import Callable
 
-from mini_grpo.config import ConfigError
+from mini_grpo.fields import ConfigError
 
 RewardFn = Callable[[list[str], list[str], list[str], list[dict]], list[float]]
 

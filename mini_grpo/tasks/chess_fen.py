@@ -22,16 +22,20 @@ import logging
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import chess
 import chess.pgn
 import numpy as np
 
-from mini_grpo.config import ConfigError, GRPOConfig
-from mini_grpo.tasks import Example, TaskData, split_held_out
+from mini_grpo.fields import ConfigError
+from mini_grpo.task_registry import MAX_GENERATED, register
+from mini_grpo.tasks.base import Example, TaskData, split_held_out
 from mini_grpo.tasks.jsonl import load_jsonl
 from mini_grpo.tokenizer import CharTokenizer
+
+if TYPE_CHECKING:
+    from mini_grpo.config import GRPOConfig
 
 log = logging.getLogger("mini_grpo.tasks")
 
@@ -50,24 +54,31 @@ DEFAULT_REWARDS = [
 ]
 
 PLY_BUCKETS = ((2, 4), (5, 8), (9, 12))
+# longest game asked for: a random game this long is ~5,000 characters of prompt, and its
+# moves cost ~30 us each to generate, per training game
+MAX_PLIES = 1000
 
 
 @dataclass
 class Args:
     """chess_fen's options (the config's task_args)."""
-    num_train: int = 50000  # generated training prompts (~10 s to generate)
+    num_train: int = 50000  # generated training prompts (~10 s to generate; at most 10 million)
     min_plies: int = 2  # shortest game (half-moves)
-    max_plies: int = 12
+    max_plies: int = 12  # at most MAX_PLIES
     move_format: Literal["uci", "san"] = "uci"
     pgn_path: str = ""  # PGN file whose games give the prompts, instead of random games
 
     def check(self) -> None:
-        if self.num_train <= 0:
-            raise ConfigError(f"task_args.num_train: must be > 0, got {self.num_train}")
+        if not 0 < self.num_train <= MAX_GENERATED:
+            raise ConfigError(f"task_args.num_train: must be in 1..{MAX_GENERATED:,}, "
+                              f"got {self.num_train}")
         if self.min_plies < 0:
             raise ConfigError(f"task_args.min_plies: must be >= 0, got {self.min_plies}")
         if self.max_plies < self.min_plies:
             raise ConfigError(f"task_args.max_plies: must be >= min_plies ({self.min_plies}), "
+                              f"got {self.max_plies}")
+        if self.max_plies > MAX_PLIES:
+            raise ConfigError(f"task_args.max_plies: must be <= {MAX_PLIES}, "
                               f"got {self.max_plies}")
 
 
@@ -224,6 +235,7 @@ def ply_bucket(ex: Example) -> str | None:
     return None
 
 
+@register("chess_fen", Args)
 def build(cfg: GRPOConfig, args: Args) -> TaskData:
     san = args.move_format == "san"
     if cfg.data_path and args.pgn_path:

@@ -40,14 +40,18 @@ import random
 import re
 import string
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from mini_grpo.config import ConfigError, GRPOConfig
+from mini_grpo.fields import ConfigError
 from mini_grpo.rewards.countdown import answer_blocks, countdown_correct, evaluate
-from mini_grpo.tasks import Example, TaskData, split_held_out
+from mini_grpo.task_registry import MAX_GENERATED, register
+from mini_grpo.tasks.base import Example, TaskData, split_held_out
 from mini_grpo.tasks.jsonl import load_jsonl
+
+if TYPE_CHECKING:
+    from mini_grpo.config import GRPOConfig
 
 # every printable ASCII character: digits, operators and tags for the short style, and the
 # words and punctuation of the instruct style, whatever the answer tag
@@ -71,7 +75,7 @@ class Args:
     """countdown's options (the config's task_args)."""
     min_numbers: int = 3  # fewest numbers in a problem (3..6)
     max_numbers: int = 4
-    num_train: int = 20000  # generated training problems
+    num_train: int = 20000  # generated training problems (at most 10 million)
     prompt_style: Literal["short", "instruct"] = "short"
     answer_tag: str = "answer"  # answers go in <answer_tag>...</answer_tag>
 
@@ -86,8 +90,9 @@ class Args:
         if self.min_numbers > self.max_numbers:
             raise ConfigError(f"task_args.min_numbers: must be <= max_numbers "
                               f"({self.max_numbers}), got {self.min_numbers}")
-        if self.num_train <= 0:
-            raise ConfigError(f"task_args.num_train: must be > 0, got {self.num_train}")
+        if not 0 < self.num_train <= MAX_GENERATED:
+            raise ConfigError(f"task_args.num_train: must be in 1..{MAX_GENERATED:,}, "
+                              f"got {self.num_train}")
         if not (self.answer_tag.isascii() and self.answer_tag.isidentifier()):
             raise ConfigError(f"task_args.answer_tag: must be letters, digits and '_' (not "
                               f"first a digit), got {self.answer_tag!r}")
@@ -220,6 +225,7 @@ def numbers_bucket(ex: Example) -> str | None:
     return f"numbers_{len(numbers)}" if isinstance(numbers, list) else None
 
 
+@register("countdown", Args)
 def build(cfg: GRPOConfig, args: Args) -> TaskData:
     alphabet = ALPHABET
     if cfg.data_path:

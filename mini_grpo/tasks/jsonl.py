@@ -18,9 +18,14 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mini_grpo.config import ConfigError, GRPOConfig
-from mini_grpo.tasks import Example, TaskData, split_held_out
+from mini_grpo.fields import ConfigError, unreadable
+from mini_grpo.task_registry import register
+from mini_grpo.tasks.base import Example, TaskData, split_held_out
+
+if TYPE_CHECKING:
+    from mini_grpo.config import GRPOConfig
 
 log = logging.getLogger("mini_grpo.tasks")
 
@@ -59,6 +64,8 @@ def load_jsonl(path, tokenizer=None,
                     log.warning("%s: truncated last line skipped (%s)", where, e.msg)
                     break
                 raise ConfigError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
+            except ValueError as e:  # an integer over Python's int-string limit
+                raise ConfigError(f"{where}: {unreadable(e)}") from None
             if not isinstance(obj, dict):
                 raise ConfigError(f"{where}: expected an object with \"prompt\" and \"target\", "
                                   f"got {type(obj).__name__}")
@@ -105,6 +112,7 @@ def _messages(value, where: str) -> list[dict]:
     return value
 
 
+@register("jsonl", Args)
 def build(cfg: GRPOConfig, args: Args) -> TaskData:
     if not cfg.data_path:
         raise ConfigError("data_path: task 'jsonl' needs a JSONL file of {prompt, target} rows")

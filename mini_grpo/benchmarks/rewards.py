@@ -1,7 +1,7 @@
 """Reward scoring throughput: completions/s per built-in plugin and for chess_fen's default set,
 serial vs thread vs process. benchmark.py prints it; by hand:
 
-    python -m mini_grpo.rewards.bench
+    python -m mini_grpo.benchmarks.rewards
 
 Completions are realistic: targets of random games with 0-3 random character edits, plus some
 start-position FENs, prompt copies and empty strings. Pool start-up is not timed (the trainer

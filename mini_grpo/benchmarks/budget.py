@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .rollout import generate
+from mini_grpo.rollout import generate
 
 SECTIONS = ("generation", "rewards", "step")
 
@@ -186,7 +186,7 @@ def probe_machine(cfg, task, batch: int = 8):
     """Times the config's model (random weights): a forward over batch x 64 tokens in each
     precision, and the cached decode steps between 2 and 6 new tokens at batch and 4 x batch
     rows."""
-    from .run import setup
+    from mini_grpo.run import setup
 
     t_start = time.perf_counter()
     with setup(cfg, log=False, task=task) as run:
