@@ -26,17 +26,20 @@ functions (checked here, at start-up), and re-imports the main module, so a laun
 needs the `if __name__ == "__main__":` guard. Pools start in the constructor and live until
 close(), because starting workers costs about a second.
 
-Failure isolation: a call that raises (SystemExit included; KeyboardInterrupt still stops the
-run) is retried one row at a time in the same worker, so only the rows that raise alone fail. A
-call that returns the wrong number of values, or a dict, set or string, fails all its rows;
-NaN, Inf, None or non-numbers fail just their rows. A call counts as hung when no call of the
-batch finishes for `timeout` seconds; its rows fail and the rest of the batch still scores.
-An async call is cancelled at its own timeout, so a hung one never outlives its batch.
-What happens to the hung call depends on the executor:
+Failure isolation: a call that raises, KeyboardInterrupt and SystemExit included, is retried
+one row at a time in the same worker, so only the rows that raise alone fail; a real Ctrl-C
+never lands in a plugin (see _call), so it still stops the run. A call that returns the wrong
+number of values, or a dict, set or string, fails all its rows; NaN, Inf, None, non-numbers
+and rewards beyond +-MAX_REWARD, before or after weighting, fail just their rows. A call counts
+as hung when no call of the batch finishes for `timeout` seconds; its rows fail and the rest
+of the batch still scores. An async call is cancelled at its own timeout, so a hung one never
+outlives its batch. What happens to the hung call depends on the executor:
   process  its worker processes are killed and the pool restarts: the call is really stopped.
   serial, thread  a thread cannot be killed, so the call is abandoned: it keeps running (and
            using CPU) in the background until it returns, and new threads take over. They are
-           daemon threads, so an abandoned call never keeps the process from exiting.
+           daemon threads, so an abandoned call never keeps the process from exiting. At most
+           one pool's worth (`workers`, serial 1) may still run: one more raises RewardError
+           naming the plugin, so CPU-bound hangs never pile up.
 Failed rows get `on_error`, a per-plugin counter goes up and the first error is logged once
 ("mini_grpo.scoring"); more than `max_fail_frac` of a batch's rows failing for one plugin
 raises RewardError with that plugin's first error.
@@ -48,6 +51,8 @@ import asyncio
 import logging
 import multiprocessing
 import pickle
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Set
@@ -56,7 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mini_grpo.config import ConfigError
+from mini_grpo.fields import ConfigError
 from mini_grpo.rewards import resolve_reward
 from mini_grpo.rewards.registry import ROW_SLOTS, is_async
 from mini_grpo.threads import DaemonThreadPool
@@ -65,6 +70,10 @@ log = logging.getLogger("mini_grpo.scoring")
 
 EXECUTORS = ("serial", "thread", "process")
 POOL_START_TIMEOUT = 120.0  # seconds for worker processes to import the plugins
+# Largest |reward| a plugin may give, before and after its weight; beyond, the row fails like
+# a NaN. The trainer's advantages take the total as float32 (max 3.4e38) and sum its squares:
+# a few plugins at 1e12 keep that finite for any batch up to ~1e12 rows.
+MAX_REWARD = 1e12
 
 
 class RewardError(RuntimeError):
@@ -92,36 +101,40 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
             return None, f"returned {type(values).__name__}, expected a list of {n} floats"
     try:
         arr = np.array(values, dtype=np.float64)  # a copy; None becomes NaN
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
         arr = np.array([_float_or_nan(v) for v in values]) if len(values) == n else None
     if arr is None or arr.shape != (n,):
         got = f"an array of shape {arr.shape}" if arr is not None and arr.ndim != 1 else \
             f"{len(values)} values"
         return None, f"returned {got} for {n} rows"
-    bad = ~np.isfinite(arr)
+    bad = ~(np.abs(arr) <= MAX_REWARD)  # NaN, Inf, or so large that statistics would overflow
     if not bad.any():
         return arr, None
     i = int(np.flatnonzero(bad)[0])
     arr[bad] = np.nan
-    return arr, f"returned {values[i]!r} for row {lo + i} ({int(bad.sum())} bad rows in the call)"
+    return arr, f"returned {values[i]!r} for row {lo + i} ({int(bad.sum())} bad rows in the " \
+                f"call; a reward is a finite number within +-{MAX_REWARD:g})"
 
 
 def _float_or_nan(v) -> float:
     try:
         return float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return float("nan")
 
 
 def _call(fn, lo: int, prompts, completions, targets, metas):
-    """(rewards or None, seconds, error text or None) for rows lo..lo+len(completions)."""
+    """(rewards or None, seconds, error text or None) for rows lo..lo+len(completions).
+
+    Whatever this catches is the plugin's own, KeyboardInterrupt included: it runs in a helper
+    thread (serial, thread), and Python delivers signals to the main thread only, or in a
+    worker process, which ignores SIGINT (_init_worker). A real Ctrl-C lands in the trainer's
+    main thread, waiting in RewardScorer._run, and stops the run there."""
     t0 = time.perf_counter()
     try:
         values = fn(prompts, completions, targets, metas)
         arr, err = _as_rewards(values, len(completions), lo)
-    except KeyboardInterrupt:  # Ctrl-C must still stop the run
-        raise
-    except BaseException:  # SystemExit too: a plugin calling sys.exit must not end the trainer
+    except BaseException:  # SystemExit, KeyboardInterrupt: a plugin must not end the trainer
         arr, err = None, traceback.format_exc()
         if len(completions) > 1:  # one bad row must not cost the good rows of its chunk
             arr, err = _call_by_row(fn, lo, prompts, completions, targets, metas)
@@ -151,8 +164,6 @@ async def _acall(fn, lo: int, prompts, completions, targets, metas, timeout: flo
     try:
         values = await asyncio.wait_for(fn(prompts, completions, targets, metas), timeout)
         arr, err = _as_rewards(values, len(completions), lo)
-    except KeyboardInterrupt:
-        raise
     except TimeoutError:
         arr, err = None, f"call on rows {lo}..{hi - 1} did not finish within the " \
                          f"{timeout:g} s timeout"
@@ -167,10 +178,29 @@ async def _acall(fn, lo: int, prompts, completions, targets, metas, timeout: flo
     return arr, time.perf_counter() - t0, err
 
 
+class PluginInterrupt(Exception):
+    """A plugin's own KeyboardInterrupt or SystemExit, carried as an ordinary exception."""
+
+
+async def _contained(coro):
+    try:
+        return await coro
+    except (KeyboardInterrupt, SystemExit) as e:
+        raise PluginInterrupt(f"the plugin raised {type(e).__name__}") from e
+
+
+def _contained_task(loop, coro, **kwargs) -> asyncio.Task:
+    """Task factory: asyncio re-raises a task's KeyboardInterrupt or SystemExit out of the
+    event loop, which would end every call of the batch (the per-row tasks of `per_sample`
+    included); as a PluginInterrupt, it fails only the call, like any other exception."""
+    return asyncio.Task(_contained(coro), loop=loop, **kwargs)
+
+
 def _call_async(calls: list, timeout: float, concurrency: int) -> list:
     """[(fn, lo, prompts, completions, targets, metas)] -> their _call results, run
     concurrently in one event loop of this thread."""
     async def run_all():
+        asyncio.get_running_loop().set_task_factory(_contained_task)
         ROW_SLOTS.set(asyncio.Semaphore(concurrency))
         return await asyncio.gather(*(_acall(*c, timeout) for c in calls))
     return asyncio.run(run_all())
@@ -180,7 +210,15 @@ _worker_fns: list = []  # this worker process's plugins, set once by _init_worke
 
 
 def _init_worker(fns: list) -> None:
+    # Ctrl-C at a terminal reaches the whole process group; the trainer stops and kills its
+    # workers, so a worker ignores it, and a KeyboardInterrupt in one is a plugin's. A no-op
+    # handler, not SIG_IGN, which the plugins' own subprocesses would inherit.
+    signal.signal(signal.SIGINT, _no_op)
     _worker_fns[:] = fns
+
+
+def _no_op(signum, frame) -> None:
+    pass
 
 
 def _call_in_worker(index: int, lo: int, *rows):
@@ -226,14 +264,21 @@ class RewardScorer:
                     raise ConfigError(f"reward {name!r}: cannot be sent to worker processes "
                                       f"({e}); make it a module-level function or use "
                                       f"reward_executor: thread") from None
+            weight = float(spec.get("weight", 1.0))
+            if not abs(weight * self.on_error) <= MAX_REWARD:  # failed rows must stay in range
+                raise ConfigError(f"reward_on_error: {self.on_error:g} times {key!r}'s weight "
+                                  f"{weight:g} is beyond +-{MAX_REWARD:g}")
             self.keys.append(key)
-            self.weights.append(float(spec.get("weight", 1.0)))
+            self.weights.append(weight)
             self.fns.append(fn)
         self.is_async = [is_async(fn) for fn in self.fns]
         self.failure_counts = dict.fromkeys(self.keys, 0)  # rows failed since start, per plugin
         self._logged: set[str] = set()
         self._slots = 1 if executor == "serial" else workers  # calls that run at once
         self._pool = None
+        # serial, thread: (thread, plugin keys) of calls abandoned at the timeout; at most
+        # `_slots` of them may still run (_check_abandoned)
+        self._abandoned: list[tuple[threading.Thread, tuple[str, ...]]] = []
         self._start_pool()
 
     @classmethod
@@ -318,15 +363,21 @@ class RewardScorer:
         total = np.zeros(n)
         columns, metrics, too_many = {}, {}, None
         for p, key in enumerate(self.keys):
-            col = cols[p]
-            failed = np.isnan(col)
+            col, w = cols[p], self.weights[p]
+            with np.errstate(over="ignore"):  # a huge weight gives inf here, which fails the row
+                big = ~np.isnan(col) & ~(np.abs(w * col) <= MAX_REWARD)
+            if big.any() and first_error[p] is None:
+                i = int(np.flatnonzero(big)[0])
+                first_error[p] = f"row {i}: reward {col[i]:g} times the weight {w:g} is beyond " \
+                                 f"+-{MAX_REWARD:g} ({int(big.sum())} such rows)"
+            failed = np.isnan(col) | big
             col[failed] = self.on_error
             nfail = int(failed.sum())
             if nfail > self.max_fail_frac * n and too_many is None:
                 too_many = (key, nfail, first_error[p])  # raised below, not logged twice
             elif nfail:
                 self._record_failure(key, nfail, n, first_error[p])
-            total += self.weights[p] * col
+            total += w * col
             columns[key] = col
             metrics[f"reward/{key}/seconds"] = seconds[p]
             metrics[f"reward/{key}/failures"] = float(nfail)
@@ -351,6 +402,7 @@ class RewardScorer:
         """Runs each job (a list of calls) on the pool: one result per call, in order."""
         outs: list = [None] * len(calls)
         todo = list(range(len(jobs)))
+        self._check_abandoned()
         while todo:
             if self._pool is None:
                 self._start_pool()
@@ -366,10 +418,14 @@ class RewardScorer:
                         break
                     for f in done:
                         job = jobs[futures[f]]
-                        try:
+                        # a stored exception, never this thread's Ctrl-C: a worker process
+                        # died (crash, os._exit, OOM), or a plugin's KeyboardInterrupt got out
+                        # of an event loop (a loop callback's; tasks' are contained)
+                        e = f.exception()
+                        if e is None:
                             for i, out in zip(job, f.result()):
                                 outs[i] = out
-                        except Exception as e:  # a worker process died (crash, os._exit, OOM)
+                        else:
                             for i in job:
                                 outs[i] = (None, 0.0, f"reward worker failed: {e!r}")
                             broken = True
@@ -384,10 +440,31 @@ class RewardScorer:
                     p, lo, hi = calls[i]
                     outs[i] = (None, self.timeout, f"call on rows {lo}..{hi - 1} did not "
                                f"finish within the {self.timeout:g} s timeout")
+                thread = self._pool.thread_of(f) if isinstance(self._pool, DaemonThreadPool) \
+                    else None
+                if thread is not None:  # serial, thread: the call runs on, abandoned
+                    keys = tuple(dict.fromkeys(self.keys[calls[i][0]] for i in jobs[futures[f]]))
+                    self._abandoned.append((thread, keys))
             if pending or broken:
                 self._discard_pool()
+            if pending:
+                self._check_abandoned()
             todo = [futures[f] for f in pending[self._slots:]]
         return outs
+
+    def _check_abandoned(self) -> None:
+        """Serial, thread: RewardError when more than one pool's worth of abandoned calls still
+        run. Threads cannot be stopped, and a plugin that loops on the CPU would otherwise
+        leave one more GIL-holding thread behind at every timeout until the trainer crawls;
+        a call that waits on I/O and returns later frees its place."""
+        self._abandoned = [(t, keys) for t, keys in self._abandoned if t.is_alive()]
+        if len(self._abandoned) > self._slots:
+            keys = ", ".join(map(repr, dict.fromkeys(k for _, ks in self._abandoned for k in ks)))
+            raise RewardError(f"reward plugin {keys}: {len(self._abandoned)} calls that ran past "
+                              f"reward_timeout={self.timeout:g} s are still running; a thread "
+                              f"cannot be stopped, so under reward_executor: {self.executor} "
+                              f"hung calls would pile up; use reward_executor: process, which "
+                              f"stops them")
 
     def _submit(self, job: list, rows):
         """One job on the pool: a sync plugin's call, or the batch's async calls together."""

@@ -18,6 +18,7 @@ class DaemonThreadPool(Executor):
 
     def __init__(self, workers: int):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: dict[Future, threading.Thread] = {}  # calls under way, and their thread
         self._threads = [threading.Thread(target=self._work, name=f"reward-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -27,15 +28,22 @@ class DaemonThreadPool(Executor):
         while (item := self._queue.get()) is not None:
             future, fn, args = item
             if future.set_running_or_notify_cancel():
+                self._running[future] = threading.current_thread()
                 try:
                     future.set_result(fn(*args))
-                except BaseException as e:  # KeyboardInterrupt: re-raised by future.result()
+                except BaseException as e:  # KeyboardInterrupt too: the caller decides
                     future.set_exception(e)
+                finally:
+                    del self._running[future]
 
     def submit(self, fn, /, *args) -> Future:
         future: Future = Future()
         self._queue.put((future, fn, args))
         return future
+
+    def thread_of(self, future: Future) -> threading.Thread | None:
+        """The thread running `future`'s call, None when the call is not under way."""
+        return self._running.get(future)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Idle threads exit now, busy ones when their call returns (hung ones never do)."""
