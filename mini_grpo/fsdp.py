@@ -98,14 +98,11 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     return model
 
 
-def frozen_copy(model: torch.nn.Module, device: torch.device, **shard_kw) -> torch.nn.Module:
-    """A frozen copy of a sharded `model`, sharded the same way (`shard_kw` as given to `shard`
-    for it), made from each rank's own shards: built on the meta device, sharded, then every
-    local shard copied. No rank ever holds the full weights."""
-    from .models import build, spec
-
-    with torch.device("meta"):
-        copy = build(spec(model))
+def frozen_copy(model: torch.nn.Module, copy: torch.nn.Module, device: torch.device,
+                **shard_kw) -> torch.nn.Module:
+    """A frozen copy of a sharded `model` into `copy` (the same architecture, built on the
+    meta device), sharded the same way (`shard_kw` as given to `shard` for it), from each
+    rank's own shards: every local shard is copied. No rank ever holds the full weights."""
     copy.attn_impl = model.attn_impl
     copy.requires_grad_(False)
     shard(copy, device, **shard_kw)
@@ -238,11 +235,8 @@ def memory_report(model: torch.nn.Module) -> dict[str, float]:
     return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local)}
 
 
-def write_shards(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path) -> None:
-    """Every rank writes its shards of the weights (and of `opt`'s state) into directory
-    `path` with torch.distributed.checkpoint (a collective; checkpoint.py names, completes
-    and renames the directory)."""
-    import torch.distributed.checkpoint as dcp
+def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    """This rank's shards of the weights (and of `opt`'s state), as DCP reads and writes them."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -251,7 +245,16 @@ def write_shards(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path
     state = {"model": get_model_state_dict(model)}
     if opt is not None:
         state["optim"] = get_optimizer_state_dict(model, opt)
-    dcp.save(state, checkpoint_id=str(path))
+    return state
+
+
+def write_shards(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path) -> None:
+    """Every rank writes its shards of the weights (and of `opt`'s state) into directory
+    `path` with torch.distributed.checkpoint (a collective; checkpoint.py names, completes
+    and renames the directory)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, opt), checkpoint_id=str(path))
 
 
 def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
@@ -259,15 +262,11 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
     parallelised now and over however many ranks: DCP reads each rank's part (resharding)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    state = {"model": get_model_state_dict(model)}
-    if opt is not None:
-        state["optim"] = get_optimizer_state_dict(model, opt)
+    state = _sharded_state(model, opt)
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if opt is not None:

@@ -72,14 +72,13 @@ class Run:
         if not self.sharded:
             self.reference = Reference(self.model, self.device, cfg.offload_reference)
             return
+        with torch.device("meta"):
+            model = build(spec(self.model))
         if cfg.offload_reference:  # a full copy in every rank's CPU memory
-            state = fsdp.model_state(self.model, everywhere=True)  # a collective
-            with torch.device("meta"):
-                model = build(spec(self.model))
-            model.assign(state)
+            model.assign(fsdp.model_state(self.model, everywhere=True))  # a collective
             model.attn_impl = self.model.attn_impl
         else:
-            model = fsdp.frozen_copy(self.model, self.device,
+            model = fsdp.frozen_copy(self.model, model, self.device,
                                      param_dtype=_fsdp_dtype(self.precision),
                                      cpu_offload=cfg.fsdp_cpu_offload,
                                      shard_size=cfg.fsdp_shard_size, timer=self.comm)

@@ -107,7 +107,9 @@ def main(out_path: str, parallelism: str) -> None:
         if sharded:
             out[f"{family}/from_plain"] = resumed_from_plain(family)
             out[f"{family}/from_rank0"] = sent_from_rank0(model, family, dist.is_main)
-            ref = fsdp.frozen_copy(model, torch.device("cpu"), shard_size=shard_size)
+            with torch.device("meta"):
+                empty = build(family)
+            ref = fsdp.frozen_copy(model, empty, torch.device("cpu"), shard_size=shard_size)
             assert not any(p.requires_grad for p in ref.parameters())
             out[f"{family}/reference"] = {k: v.clone() for k, v in fsdp.model_state(ref).items()}
             out[f"{family}/reference_bytes"] = D.all_gather_object(sum(
