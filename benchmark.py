@@ -60,6 +60,7 @@ from mini_grpo.benchmarks.budget import (
     probe_machine,
 )
 from mini_grpo.config import ConfigError, load_config, parse_cli
+from mini_grpo.dtype_probe import cpu_name
 from mini_grpo.rollout import generate
 
 # ---- sections ----
@@ -380,17 +381,6 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
@@ -447,7 +437,7 @@ def main(argv=None) -> int:
                  cfg.prompts_per_step)
     if sections:
         print(format_plan(p, probe, budget), file=sys.stderr, flush=True)
-    result = {"config": args.config, "cpu": cpu_model(), "machine": platform.machine(),
+    result = {"config": args.config, "cpu": cpu_name(), "machine": platform.machine(),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "budget_s": budget, "plan": asdict(p), "probe": asdict(probe) if probe else None}
     if torch.cuda.is_available():

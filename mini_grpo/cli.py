@@ -4,6 +4,7 @@
     mini-grpo train --config tiny --print-config           # show the resolved config, exit
     mini-grpo evaluate --checkpoint runs/default/checkpoints/step_0000200.pt [--num_eval=1024]
     mini-grpo sample --checkpoint PATH --prompt "e2e4 e7e5 g1f3:" [--n 4] [--greedy] [--json]
+                     [--generation_amp=off ...]                         # any config field
     mini-grpo rft-generate --checkpoint PATH --output rft.jsonl [--rft_oversample=16 ...]
     mini-grpo export --checkpoint PATH --output DIR [--dtype bfloat16]   # Hugging Face dir
 
@@ -59,9 +60,28 @@ def train_main(argv: list[str]) -> int:
     if print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    try:
+        check_gpt_size(cfg)
+    except ConfigError as e:
+        return _fail(e)
     from .job import train
 
     return _guarded(lambda: train(cfg))
+
+
+def check_gpt_size(cfg) -> None:
+    """A run from scratch: our GPT's size from the config's fields against memory, before the
+    task's data is built (most of the start-up of the default task: generating its games),
+    with its alphabet counted as empty; build_policy checks again with the alphabet."""
+    if cfg.init_from:
+        return
+    from .models import check_size
+    from .run import gpt_spec
+
+    try:
+        check_size(gpt_spec(cfg, 0), "n_layer/n_embd/block_size")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _from_checkpoint(path: str, rest: list[str]):
@@ -84,7 +104,7 @@ def evaluate_main(argv: list[str]) -> int:
         from .run import setup
 
         state, cfg = _from_checkpoint(args.checkpoint, rest)
-        with setup(cfg, checkpoint=state, log=False) as run:
+        with setup(cfg, checkpoint=state, log=False, train=False) as run:
             result = {mode: evaluate(run, greedy=mode == "greedy", seed=cfg.seed)
                       for mode in ("greedy", "sampled")}
             what = "Hugging Face model" if state is None else \
@@ -101,7 +121,8 @@ def evaluate_main(argv: list[str]) -> int:
 
 def sample_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="mini-grpo sample",
-                                 description="sample completions from a checkpoint")
+                                 description="sample completions from a checkpoint (any "
+                                             "config field as --key=value)")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--prompt", required=True, action="append",
                     help="prompt text (repeatable), e.g. 'e2e4 e7e5:'")
@@ -112,7 +133,7 @@ def sample_main(argv: list[str]) -> int:
     ap.add_argument("--max_new_tokens", type=int, help="default: the checkpoint's config")
     ap.add_argument("--json", action="store_true",
                     help='one {"prompt": ..., "completion": ...} object per line')
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         return _fail(ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}"))
 
@@ -122,9 +143,9 @@ def sample_main(argv: list[str]) -> int:
         from .rollout import sample
         from .run import setup
 
-        state, cfg = _from_checkpoint(args.checkpoint, ["--device=cpu", "--compile_model=false",
-                                                          "--rewards=null"])
-        with setup(cfg, checkpoint=state, log=False, task=False) as run:
+        state, cfg = _from_checkpoint(args.checkpoint, [*rest, "--device=cpu",
+                                                        "--compile_model=false", "--rewards=null"])
+        with setup(cfg, checkpoint=state, log=False, task=False, train=False) as run:
             for p in args.prompt:
                 if run.tok.unknown_chars(p):
                     raise ConfigError(f"--prompt {p!r}: characters not in the model's "
@@ -134,9 +155,10 @@ def sample_main(argv: list[str]) -> int:
             if max(len(run.tok.encode_prompt(p)) for p in prompts) + n > run.model.cfg.block_size:
                 raise ConfigError(f"--max_new_tokens: {n} more tokens do not fit the model's "
                                   f"{run.model.cfg.block_size} positions")
-            r = sample(run.model, run.tok, prompts, n, greedy=args.greedy,
-                       temperature=args.temperature,
-                       generator=torch.Generator().manual_seed(args.seed))
+            with run.precision.autocast(generation=True):
+                r = sample(run.model, run.tok, prompts, n, greedy=args.greedy,
+                           temperature=args.temperature,
+                           generator=torch.Generator().manual_seed(args.seed))
         for p, text in zip(prompts, r.texts):
             line = json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) \
                 if args.json else f"{p} {text}"
@@ -159,7 +181,7 @@ def rft_generate_main(argv: list[str]) -> int:
         from .run import setup
 
         state, cfg = _from_checkpoint(args.checkpoint, rest)
-        with setup(cfg, checkpoint=state, log=False) as run:
+        with setup(cfg, checkpoint=state, log=False, train=False) as run:
             examples = first_prompts(run.task.train, cfg.rft_num_prompts) \
                 if args.split == "train" else run.task.eval
             generate_rft_data(run, examples, args.output)

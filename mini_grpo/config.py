@@ -156,7 +156,7 @@ class GRPOConfig:
 
     # ---- precision and speed ----
     # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
-    # with bf16 units, whichever of bf16 and fp32 a probe at start (precision.probe_dtypes)
+    # with bf16 units, whichever of bf16 and fp32 a probe at start (dtype_probe.py, cached)
     # runs faster: bf16 doubled SFT tokens/s on a Xeon with AMX (8.3k -> 16-19k), while on an
     # AMD Zen4 (AVX-512 BF16, no AMX) the same job ran 2.3x slower in all
     use_amp: bool = True

@@ -2,9 +2,10 @@
 
 `Precision` holds the autocast dtypes in force for training passes and for sampling, resolved
 once at start. An `auto` that depends on the machine is decided by a short probe on the
-model's own shapes (`probe_dtypes`), logged with its figures: on a Xeon with AMX bf16 sampling
-was faster than fp32, on an AMD Zen4 (AVX-512 BF16, no AMX) 1.5x slower, so the device type
-alone cannot decide.
+model's own shapes, which the caller hands in (dtype_probe.py: it runs the sampler, which this
+module does not import), logged with its figures: on a Xeon with AMX bf16 sampling was faster
+than fp32, on an AMD Zen4 (AVX-512 BF16, no AMX) 1.5x slower, so the device type alone cannot
+decide.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import ctypes
 import ctypes.util
 import os
 import sys
-import time
 import warnings
 
 import torch
@@ -80,72 +80,40 @@ class Precision:
         return text
 
 
-def resolve_precision(cfg: GRPOConfig, device: torch.device, model=None) -> Precision:
+def resolve_precision(cfg: GRPOConfig, device: torch.device, probe=None,
+                      train: bool = True) -> Precision:
     """The config's precision for this machine. On a CPU with bf16 units, `amp_dtype: auto`
-    and `generation_amp: auto` are decided by `probe_dtypes` on `model`: bf16 where it ran
-    faster than fp32, else fp32."""
+    and `generation_amp: auto` are decided by `probe(parts)`, the seconds of the "train"
+    and/or "sample" parts under fp32 and bf16 on the run's model (dtype_probe.probe_dtypes,
+    which the caller hands in): bf16 where it ran faster than fp32. Only the parts still
+    `auto` are probed; `train=False` (a command that only samples): no training autocast,
+    and sampling alone is probed."""
     dtype = _dtype(cfg.amp_dtype, device) if cfg.use_amp else None
-    auto_train = cfg.use_amp and cfg.amp_dtype == "auto"
     if cfg.generation_amp == "auto":
         gen = dtype
     else:
         gen = _dtype(cfg.amp_dtype, device) if cfg.generation_amp == "on" else None
-    probe = {}
-    if device.type == "cpu" and model is not None and (
-            (auto_train and dtype == torch.bfloat16)
-            or (cfg.generation_amp == "auto" and gen == torch.bfloat16)):
-        probe = probe_dtypes(model, cfg.block_size,
-                             min(64, cfg.prompts_per_step * cfg.group_size),
-                             bf16_attn="manual" if cfg.attn_impl == "auto" else cfg.attn_impl)
-        if auto_train and probe["train_bf16"] > probe["train_fp32"]:
-            dtype = None
-        if cfg.generation_amp == "auto" and gen is not None:
-            gen = torch.bfloat16 if probe["sample_bf16"] < probe["sample_fp32"] else None
-    return Precision(device, dtype, gen, probe)
+    if not train:  # nothing is trained: no training autocast (attn_impl auto: SDPA)
+        dtype = None
+    cpu_bf16 = lambda d: device.type == "cpu" and d == torch.bfloat16
+    parts = tuple(part for part, auto in (
+        ("train", cfg.use_amp and cfg.amp_dtype == "auto" and cpu_bf16(dtype)),
+        ("sample", cfg.generation_amp == "auto" and cpu_bf16(gen))) if auto)
+    figures = probe(parts) if parts and probe is not None else {}
+    if "train_bf16" in figures and figures["train_bf16"] > figures["train_fp32"]:
+        dtype = None
+    if "sample_bf16" in figures:
+        gen = torch.bfloat16 if figures["sample_bf16"] < figures["sample_fp32"] else None
+    return Precision(device, dtype, gen, figures)
 
 
-def probe_dtypes(model, block_size: int, sample_rows: int = 64, reps: int = 2,
-                 bf16_attn: str = "manual") -> dict[str, float]:
-    """Seconds, under fp32 and bf16, of a forward+backward over 4 x 64 tokens and of 8 cached
-    sampling steps for `sample_rows` rows (groups of 8 sharing a 32-token prompt, as a GRPO
-    step samples them): median of `reps` after a warm-up round, the dtypes alternating. The
-    bf16 training pass uses the attention `attn_impl: auto` picks under bf16 (manual).
-    Every rank gets the same figures (the sum over ranks), so all decide alike."""
-    from . import distributed as D
-    from .rollout import generate
-
-    T, P = max(2, min(64, block_size)), max(1, min(32, block_size - 8))
-    g = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, init) alone
-    x = torch.randint(4, model.cfg.vocab_size, (4, T), generator=g)
-    prompts = [p for p in torch.randint(4, model.cfg.vocab_size, (max(1, sample_rows // 8), P),
-                                        generator=g).tolist() for _ in range(8)][:sample_rows]
-    was_training, impl = model.training, model.attn_impl
-
-    def train(dtype):
-        model.train()
-        model.attn_impl = impl if dtype is None else bf16_attn
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = model(x).float().logsumexp(-1).mean()
-        loss.backward()
-        model.attn_impl = impl
-
-    def sample(dtype):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            generate(model, prompts, 8, eos_id=-1, pad_id=0, greedy=True)
-
-    times: dict[str, list[float]] = {}
-    for rep in range(reps + 1):
-        for name, fn in (("train", train), ("sample", sample)):
-            for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-                t0 = time.perf_counter()
-                fn(dtype)
-                if rep:  # the first round warms up
-                    times.setdefault(f"{name}_{label}", []).append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
-    model.train(was_training)
-    keys = sorted(times)
-    med = torch.tensor([sorted(times[k])[len(times[k]) // 2] for k in keys], dtype=torch.float64)
-    return dict(zip(keys, D.all_reduce_sum(med).tolist()))
+def attention_impl(attn_impl: str, device: torch.device, dtype: torch.dtype | None) -> str:
+    """The config's attention implementation, `auto` resolved for training under `dtype`:
+    manual attention under bf16 autocast on a CPU (SDPA's bf16 backward ran 2-3x slower
+    there), else SDPA."""
+    if attn_impl != "auto":
+        return attn_impl
+    return "manual" if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)

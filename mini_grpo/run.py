@@ -28,11 +28,13 @@ from . import distributed as D
 from . import fsdp
 from .checkpoint import CheckpointError, check_shapes, load_checkpoint, load_weights
 from .config import ConfigError, GRPOConfig, load_config
+from .dtype_probe import probe_dtypes
 from .logger import RunLogger
-from .models import CausalLM, GPTConfig, build, model_config, spec
+from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
 from .models.hf import load_hf_model
 from .precision import (
     Precision,
+    attention_impl,
     compile_with_fallback,
     resolve_device,
     resolve_precision,
@@ -114,11 +116,12 @@ class Run:
 
 
 def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
-          task: bool | TaskData = True) -> Run:
+          task: bool | TaskData = True, train: bool = True) -> Run:
     """The Run for `cfg`; `checkpoint` (a loaded state) gives the policy's weights and
     tokenizer; `log=False` skips the run directory and logger (evaluation, sampling);
     `task=False` skips the task and scorer (sampling), a TaskData is used as it is (the
-    benchmark's ablations build the task once)."""
+    benchmark's ablations build the task once); `train=False`: a command that only samples
+    (evaluate, sample, rft-generate), whose precision probe times sampling alone."""
     dist = D.init(cfg.dist_timeout)
     scorer = None
     try:
@@ -139,8 +142,9 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
             model.to(device)  # device never holds the whole model
         if data is not None:
             check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval])
-        precision = resolve_precision(cfg, device, model)
-        model.attn_impl = attention_impl(cfg, precision)
+        precision = resolve_precision(cfg, device, lambda parts: probe_dtypes(model, cfg, parts),
+                                      train)
+        model.attn_impl = attention_impl(cfg.attn_impl, device, precision.dtype)
         if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
             full = model.state_dict() if from_rank0 and dist.is_main else {}
             comm = D.CommTimer()
@@ -234,6 +238,11 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
             stored_tokenizer(checkpoint, source)
         spec = checkpoint_spec(checkpoint, cfg, tok, source) if checkpoint else \
             gpt_spec(cfg, tok.vocab_size)
+        if checkpoint is None:  # a checkpoint's spec is bounded by its weights, ours by memory
+            try:
+                check_size(spec, "n_layer/n_embd/block_size")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         with torch.device("meta") if meta else nullcontext():
             model = build(spec)
@@ -292,15 +301,6 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
         meta = build(spec)
     check_shapes({k: v.shape for k, v in meta.state_dict().items()}, weights, source)
     return spec
-
-
-def attention_impl(cfg: GRPOConfig, precision: Precision) -> str:
-    """auto: manual attention under bf16 autocast on a CPU (SDPA's bf16 backward ran 2-3x
-    slower there), else SDPA."""
-    if cfg.attn_impl != "auto":
-        return cfg.attn_impl
-    cpu_bf16 = precision.device.type == "cpu" and precision.dtype == torch.bfloat16
-    return "manual" if cpu_bf16 else "sdpa"
 
 
 def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOConfig]:

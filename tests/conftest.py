@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,6 +16,11 @@ from mini_grpo.config import load_config
 from mini_grpo.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# the precision probe's verdicts (dtype_probe.py) go to a cache of this session, not the
+# user's: a verdict measured on a machine busy with tests must not steer their later runs
+os.environ.setdefault("MINI_GRPO_PROBE_CACHE",
+                      str(Path(tempfile.mkdtemp(prefix="mini_grpo_probe_")) / "probe.json"))
 
 # GRPO alone, fp32 (exact reproducibility and resume are promised for fp32 on CPU), a small
 # held-out split, rewards scored in the trainer's thread

@@ -123,19 +123,17 @@ def test_auto_precision_follows_the_probe_not_the_device_type(monkeypatch):
     from mini_grpo import precision
 
     monkeypatch.setattr(precision, "_cpu_has_bf16", lambda: True)
-    model = build(gpt_spec(load_config("tiny", env={}), 40))
     cpu = torch.device("cpu")
     for figures, want in [
         ({"train_bf16": 1.0, "train_fp32": 2.0, "sample_bf16": 3.0, "sample_fp32": 2.0},
          (torch.bfloat16, None)),
         ({"train_bf16": 2.0, "train_fp32": 1.0, "sample_bf16": 1.0, "sample_fp32": 2.0},
          (None, torch.bfloat16))]:
-        monkeypatch.setattr(precision, "probe_dtypes", lambda *a, f=figures, **k: f)
-        p = resolve_precision(load_config("tiny", env={}), cpu, model)
+        p = resolve_precision(load_config("tiny", env={}), cpu, lambda parts, f=figures: f)
         assert (p.dtype, p.generation_dtype) == want and p.probe == figures
         assert "probe: " in p.describe()
     # an explicit choice is never probed or overridden
-    monkeypatch.setattr(precision, "probe_dtypes", lambda *a, **k: pytest.fail("probed"))
     p = resolve_precision(load_config("tiny", {"amp_dtype": "bfloat16",
-                                               "generation_amp": "off"}, env={}), cpu, model)
+                                               "generation_amp": "off"}, env={}), cpu,
+                          lambda parts: pytest.fail("probed"))
     assert (p.dtype, p.generation_dtype) == (torch.bfloat16, None)

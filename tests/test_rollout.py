@@ -184,3 +184,27 @@ def test_completions_of_one_token_each_go_through_the_shared_pass():
     lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
                              r.completion_mask)
     torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
+
+
+def test_sampling_draws_from_the_tempered_truncated_distribution():
+    """20,000 draws from one 5-token distribution at temperature 0.7: every token's frequency
+    is within 0.015 of its probability (about 4 standard errors at p = 0.5; the seed is
+    fixed, so the test is deterministic), with top_k and top_p renormalising over the tokens
+    they keep. A wrong sampler misses by far more: plain argmax by 0.52, probabilities
+    without the temperature by 0.08 (0.40 against 0.48 for the first token)."""
+    from mini_grpo.rollout import _pick
+
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    T, n = 0.7, 20_000
+    tempered = (probs.log() / T).softmax(-1)  # [0.482, 0.247, 0.180, 0.067, 0.025]
+    logits = probs.log().expand(n, 5).contiguous()
+    keep_3 = torch.tensor([1.0, 1, 1, 0, 0])
+    keep_2 = torch.tensor([1.0, 1, 0, 0, 0])  # top_p 0.7: 0.482 + 0.247 reaches it
+    g = torch.Generator().manual_seed(0)
+    for top_k, top_p, keep in [(0, 1.0, torch.ones(5)), (3, 1.0, keep_3), (0, 0.7, keep_2),
+                               (4, 0.7, keep_2)]:
+        tok, lp = _pick(logits, T, top_k, top_p, False, g)
+        freq = torch.bincount(tok, minlength=5) / n
+        want = tempered * keep / (tempered * keep).sum()
+        assert (freq - want).abs().max() < 0.015, (top_k, top_p, freq, want)
+        torch.testing.assert_close(lp, tempered.log()[tok])  # before truncation
