@@ -57,7 +57,7 @@ def test_weight_tying_param_count_and_grad_checkpointing_gradients_match():
     assert m.lm_head.weight is m.wte.weight
     c = m.cfg
     per_block = 12 * c.n_embd**2 + 13 * c.n_embd
-    expected = c.vocab_size * c.n_embd + c.n_layer * per_block + 2 * c.n_embd
+    expected = (c.vocab_size + c.block_size) * c.n_embd + c.n_layer * per_block + 2 * c.n_embd
     assert m.num_params() == expected
     idx = torch.randint(4, 40, (2, 12))
     grads = []

@@ -3,11 +3,13 @@ Qwen2/2.5, Qwen3, SmolLM2, Mistral). Each is a CausalLM (core.py) with the same 
 passes, KV cache and shared-prompt pass; the trainer never asks which family it holds.
 
 A model travels in our checkpoints as its spec, {"family": ..., "config": {...}} (`spec`),
-and is rebuilt from it (`build`); hf.py reads and writes Hugging Face directories.
+and is rebuilt from it (`build`); hf.py reads and writes Hugging Face directories. A spec's
+size is checked against the machine's memory before anything is built (`check_size`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, fields
 
 from .core import CausalLM, KVCache, attention_mask, positions
@@ -20,7 +22,7 @@ FAMILIES: dict[str, tuple[type[CausalLM], type]] = {
 }
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "CausalLM", "KVCache", "Llama", "LlamaConfig",
-           "attention_mask", "build", "positions", "spec"]
+           "attention_mask", "build", "check_size", "positions", "spec"]
 
 
 def spec(model: CausalLM) -> dict:
@@ -54,3 +56,35 @@ def build(spec: dict) -> CausalLM:
     if isinstance(spec.get("hf_config"), dict):
         model.hf_config = spec["hf_config"]
     return model
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory as this process may use it: the physical memory, or a smaller
+    cgroup (v2) limit; None where the platform does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()  # a number of bytes, or "max"
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
+
+
+def check_size(spec: dict, what: str, bytes_per_param: int = 4) -> None:
+    """ValueError naming `what` (the fields or file that set the sizes) when the parameters
+    alone, at `bytes_per_param`, would exceed this machine's memory: counted from the config,
+    so a model of absurd size fails at once, before anything is built or allocated. Our GPT
+    from the config's fields and a Hugging Face directory's config.json both pass here."""
+    need, have = model_config(spec).param_count() * bytes_per_param, memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"{what}: the model would hold {_gib(need)} of parameters "
+                         f"(+ gradients and AdamW state to train), more than this machine's "
+                         f"memory ({_gib(have)})")

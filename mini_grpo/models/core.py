@@ -275,5 +275,6 @@ class CausalLM(nn.Module):
                 return name
         return None
 
-    def num_params(self, non_embedding: bool = True) -> int:
+    def num_params(self) -> int:
+        """Every parameter, embeddings included (a tied head counted once)."""
         return sum(p.numel() for p in self.parameters())

@@ -26,6 +26,15 @@ class GPTConfig:
     n_inner: int | None = None  # MLP width; None = 4 * n_embd
     tie_word_embeddings: bool = True  # the LM head shares the token embedding's weight
 
+    def param_count(self) -> int:
+        """Every parameter of the model this config builds (embeddings included), counted
+        without building it."""
+        C, inner = self.n_embd, self.n_inner or 4 * self.n_embd
+        # 2 LayerNorms, c_attn, c_proj, c_fc, c_proj (weights and biases)
+        block = 4 * C + (3 * C * C + 3 * C) + (C * C + C) + (C * inner + inner) + inner * C + C
+        head = 0 if self.tie_word_embeddings else self.vocab_size * C
+        return (self.vocab_size + self.block_size) * C + self.n_layer * block + 2 * C + head
+
 
 class CausalSelfAttention(Attention):
     def __init__(self, cfg: GPTConfig):
@@ -107,6 +116,3 @@ class GPT(CausalLM):
     def cache_heads(self):
         return self.cfg.n_head, self.cfg.n_embd // self.cfg.n_head
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n

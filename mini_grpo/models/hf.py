@@ -9,8 +9,10 @@ pickle), from `model.safetensors` or the shards a `model.safetensors.index.json`
 model is built on the meta device and the checkpoint's tensors are assigned into it, so no
 random model is materialised first, and the sizes the config implies are compared with the
 file's before any tensor is read (a config.json is untrusted input: its sizes are bounded by
-the weights it comes with). Missing, unexpected or mismatched weights are named (the first
-few). Nothing is downloaded: fetch a model with the hub's own CLI first, then point here.
+the weights it comes with), and with this machine's memory (`models.check_size`, the rule our
+own GPT's config fields go through too). Missing, unexpected or mismatched weights are named
+(the first few). Nothing is downloaded: fetch a model with the hub's own CLI first, then point
+here.
 
 GPT-2 in our GPT: Conv1D weights are stored (in, out) and are transposed to Linear's
 (out, in); `gelu_new` is the tanh GELU; the LM head is tied to the token embedding unless
@@ -30,7 +32,7 @@ import torch
 
 from ..checkpoint import CheckpointError, check_shapes
 from ..tokenizer import read_json_object
-from . import CausalLM, GPTConfig, LlamaConfig, build
+from . import CausalLM, GPTConfig, LlamaConfig, build, check_size
 
 # model_type -> our family
 HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
@@ -239,6 +241,10 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
         except Exception as e:  # a truncated or foreign file: the library's own error
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
     _check_sizes(spec, shapes, path)
+    try:  # the files' sizes, in the dtype asked for (else at least 2 bytes), against memory
+        check_size(spec, str(path / "config.json"), (dtype or torch.bfloat16).itemsize)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     with torch.device("meta"):  # sizes now bounded by the file's own tensors
         model = build(spec)
     tied = model.tied_head()

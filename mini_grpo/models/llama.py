@@ -39,6 +39,16 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     dropout: float = 0.0
 
+    def param_count(self) -> int:
+        """Every parameter of the model this config builds, counted without building it."""
+        C, hs, inner = self.n_embd, self.head_dim, self.n_inner
+        q, kv = self.n_head * hs, self.n_kv_head * hs
+        attn = C * (q + 2 * kv) + q * C + (q + 2 * kv) * self.qkv_bias + C * self.o_bias \
+            + 2 * hs * self.qk_norm
+        mlp = 3 * C * inner + (2 * inner + C) * self.mlp_bias
+        head = 0 if self.tie_word_embeddings else self.vocab_size * C
+        return self.vocab_size * C + self.n_layer * (attn + mlp + 2 * C) + C + head
+
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     """(head_dim / 2,) fp32 inverse frequencies, with the config's scaling applied."""
