@@ -67,12 +67,12 @@ def _pick(logits, temperature, top_k, top_p, greedy, generator):
             drop = cum - sorted_lp.softmax(-1) >= top_p  # keep the smallest set reaching top_p
             filt = filt.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
         # the exponential race (gpt-fast, vLLM): argmax_i p_i / E_i with E_i ~ Exp(1) picks i
-        # with probability p_i, at a fraction of torch.multinomial's cost on a wide vocabulary
-        # (32 ms a call on 32 x 49152); the clamp keeps a zero draw, which a CPU generator can
-        # make, from turning a filtered token's 0 / 0 into a NaN that argmax would pick
-        p = filt.softmax(-1)
-        e = torch.empty_like(p).exponential_(1, generator=generator)
-        tok = p.div_(e.clamp_(min=torch.finfo(e.dtype).tiny)).argmax(-1)
+        # with probability p_i (any scale of p: the filtered log-probs need no renormalising),
+        # at a fraction of torch.multinomial's cost on a wide vocabulary (32 ms a call on
+        # 32 x 49152). E = -log U, U ~ U[0, 1): never 0, so a filtered token's p = 0 stays 0;
+        # Tensor.exponential_ draws the same law 6x slower on a CPU (7.5 vs 1.2 ms, 8 x 49152)
+        e = torch.rand(filt.shape, generator=generator, device=filt.device).log_().neg_()
+        tok = filt.exp().div_(e).argmax(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 

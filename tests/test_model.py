@@ -80,3 +80,24 @@ def test_manual_attention_matches_sdpa_with_and_without_padding():
     got = [m(idx), m(idx, positions(valid), attention_mask(valid, 9))]
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_decode_step_on_a_cpu_attends_as_sdpa_does():
+    """A decode step (one query a row) in bf16 on a CPU takes grouped matmuls instead of
+    SDPA's kernel (Attention._attend); grouped-query heads, a padded key and the cache's
+    strided keys included, it must attend exactly as SDPA does."""
+    from mini_grpo.models import Llama, LlamaConfig
+    from mini_grpo.models.core import Attention
+
+    torch.manual_seed(0)
+    att = Llama(LlamaConfig(vocab_size=24, block_size=64, n_layer=1, n_head=6, n_kv_head=2,
+                            n_embd=48, head_dim=8, n_inner=64)).layers[0].self_attn
+    q = torch.randn(3, 6, 1, 8, dtype=torch.bfloat16)
+    cache = torch.randn(2, 3, 2, 20, 8, dtype=torch.bfloat16)  # (k/v, B, nkv, max_len, hs)
+    k, v = cache[0, :, :, :11], cache[1, :, :, :11]  # the filled part: a strided view
+    mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
+    mask[0, ..., :4] = False  # a left-padded row
+    got = Attention._attend(att, q, k, v, mask, manual=False)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
