@@ -240,5 +240,5 @@ def test_a_step_saved_again_in_the_other_form_replaces_it(tmp_path):
     path = save_checkpoint(state(4), tmp_path, 4, keep=1)
     assert list_checkpoints(tmp_path) == [path]
     (tmp_path / "step_0000004.dcp").mkdir()
-    prune(tmp_path, 1, tmp_path / "step_0000004.dcp")  # as fsdp.save_sharded does after it
+    prune(tmp_path, 1, tmp_path / "step_0000004.dcp")  # as checkpoint.save does after shards
     assert list_checkpoints(tmp_path) == [tmp_path / "step_0000004.dcp"]
