@@ -26,8 +26,14 @@ import torch
 
 from . import distributed as D
 from . import fsdp
-from .checkpoint import latest_checkpoint, list_checkpoints, load_weights, rng_state, save
-from .checkpoint import set_rng_state as _set_rng
+from .checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_weights,
+    rng_state,
+    save,
+    set_rng_state,
+)
 from .guards import Guard, finite_everywhere, params_finite
 from .optim import lr_at, make_optimizer, set_lr
 
@@ -158,5 +164,5 @@ class TrainState:
         if ckpt.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(ckpt["scaler"])
         rngs = ckpt["rng"]
-        _set_rng(rngs[min(self.run.dist.rank, len(rngs) - 1)], self.gen)
+        set_rng_state(rngs[min(self.run.dist.rank, len(rngs) - 1)], self.gen)
         self.current_step = ckpt["step"]
