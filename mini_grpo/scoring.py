@@ -26,14 +26,15 @@ functions (checked here, at start-up), and re-imports the main module, so a laun
 needs the `if __name__ == "__main__":` guard. Pools start in the constructor and live until
 close(), because starting workers costs about a second.
 
-Failure isolation: a call that raises, KeyboardInterrupt and SystemExit included, is retried
-one row at a time in the same worker, so only the rows that raise alone fail; a real Ctrl-C
-never lands in a plugin (see _call), so it still stops the run. A call that returns the wrong
-number of values, or a dict, set or string, fails all its rows; NaN, Inf, None, non-numbers
-and rewards beyond +-MAX_REWARD, before or after weighting, fail just their rows. A call counts
-as hung when no call of the batch finishes for `timeout` seconds; its rows fail and the rest
-of the batch still scores. An async call is cancelled at its own timeout, so a hung one never
-outlives its batch. What happens to the hung call depends on the executor:
+Failure isolation (plugin_calls.py): a call that raises, KeyboardInterrupt and SystemExit
+included, is retried one row at a time in the same worker, so only the rows that raise alone
+fail; a real Ctrl-C never lands in a plugin (plugin_calls.call), so it still stops the run. A
+call that returns the wrong number of values, or a dict, set or string, fails all its rows;
+NaN, Inf, None, non-numbers and rewards beyond +-MAX_REWARD, before or after weighting, fail
+just their rows. A call counts as hung when no call of the batch finishes for `timeout`
+seconds; its rows fail and the rest of the batch still scores. An async call is cancelled at
+its own timeout, so a hung one never outlives its batch. What happens to the hung call
+depends on the executor:
   process  its worker processes are killed and the pool restarts: the call is really stopped.
   serial, thread  a thread cannot be killed, so the call is abandoned: it keeps running (and
            using CPU) in the background until it returns, and new threads take over. They are
@@ -47,33 +48,34 @@ raises RewardError with that plugin's first error.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import pickle
-import signal
 import threading
 import time
-import traceback
-from collections.abc import Mapping, Set
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
 
 from mini_grpo.fields import ConfigError
+from mini_grpo.plugin_calls import (
+    MAX_REWARD,
+    call,
+    call_async,
+    call_async_in_worker,
+    call_in_worker,
+    init_worker,
+    worker_ready,
+)
 from mini_grpo.rewards import resolve_reward
-from mini_grpo.rewards.registry import ROW_SLOTS, is_async
+from mini_grpo.rewards.registry import is_async
 from mini_grpo.threads import DaemonThreadPool
 
 log = logging.getLogger("mini_grpo.scoring")
 
 EXECUTORS = ("serial", "thread", "process")
 POOL_START_TIMEOUT = 120.0  # seconds for worker processes to import the plugins
-# Largest |reward| a plugin may give, before and after its weight; beyond, the row fails like
-# a NaN. The trainer's advantages take the total as float32 (max 3.4e38) and sum its squares:
-# a few plugins at 1e12 keep that finite for any batch up to ~1e12 rows.
-MAX_REWARD = 1e12
 
 
 class RewardError(RuntimeError):
@@ -85,152 +87,6 @@ class ScoreResult:
     total: np.ndarray  # (N,) float64 weighted sum
     columns: dict[str, np.ndarray]  # plugin -> (N,), after on_error substitution
     metrics: dict[str, float]  # reward/<plugin>/seconds, reward/<plugin>/failures, reward/seconds
-
-
-# ---- one plugin call: the same code runs in a helper thread or a worker process ----
-
-def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]:
-    """(rewards with NaN where a row failed, or None when the whole call failed; error)."""
-    if isinstance(values, (Mapping, Set, str, bytes, bytearray)):
-        # iterable, but not one value per row in order: a dict would be read as its keys
-        return None, f"returned {type(values).__name__}, expected a list of {n} floats"
-    if not isinstance(values, (list, tuple, np.ndarray)):
-        try:
-            values = list(values)
-        except TypeError:
-            return None, f"returned {type(values).__name__}, expected a list of {n} floats"
-    try:
-        arr = np.array(values, dtype=np.float64)  # a copy; None becomes NaN
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
-        arr = np.array([_float_or_nan(v) for v in values]) if len(values) == n else None
-    if arr is None or arr.shape != (n,):
-        got = f"an array of shape {arr.shape}" if arr is not None and arr.ndim != 1 else \
-            f"{len(values)} values"
-        return None, f"returned {got} for {n} rows"
-    bad = ~(np.abs(arr) <= MAX_REWARD)  # NaN, Inf, or so large that statistics would overflow
-    if not bad.any():
-        return arr, None
-    i = int(np.flatnonzero(bad)[0])
-    arr[bad] = np.nan
-    return arr, f"returned {values[i]!r} for row {lo + i} ({int(bad.sum())} bad rows in the " \
-                f"call; a reward is a finite number within +-{MAX_REWARD:g})"
-
-
-def _float_or_nan(v) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError, OverflowError):
-        return float("nan")
-
-
-def _call(fn, lo: int, prompts, completions, targets, metas):
-    """(rewards or None, seconds, error text or None) for rows lo..lo+len(completions).
-
-    Whatever this catches is the plugin's own, KeyboardInterrupt included: it runs in a helper
-    thread (serial, thread), and Python delivers signals to the main thread only, or in a
-    worker process, which ignores SIGINT (_init_worker). A real Ctrl-C lands in the trainer's
-    main thread, waiting in RewardScorer._run, and stops the run there."""
-    t0 = time.perf_counter()
-    try:
-        values = fn(prompts, completions, targets, metas)
-        arr, err = _as_rewards(values, len(completions), lo)
-    except BaseException:  # SystemExit, KeyboardInterrupt: a plugin must not end the trainer
-        arr, err = None, traceback.format_exc()
-        if len(completions) > 1:  # one bad row must not cost the good rows of its chunk
-            arr, err = _call_by_row(fn, lo, prompts, completions, targets, metas)
-    return arr, time.perf_counter() - t0, err
-
-
-def _call_by_row(fn, lo: int, prompts, completions, targets, metas):
-    """The rewards of a call that raised, retried one row at a time: (rewards, first error)."""
-    return _merge_rows(lo, [_call(fn, lo + i, prompts[i:i + 1], completions[i:i + 1],
-                                  targets[i:i + 1], metas[i:i + 1])
-                            for i in range(len(completions))])
-
-
-def _merge_rows(lo: int, rows: list) -> tuple[np.ndarray, str | None]:
-    """One row's _call results each, from row `lo` on -> (rewards, first error)."""
-    arr = np.array([np.nan if r is None else r[0] for r, _, _ in rows])
-    errs = [(lo + i, err) for i, (_, _, err) in enumerate(rows) if err is not None]
-    if not errs:
-        return arr, None
-    return arr, f"row {errs[0][0]}, retried alone after the call on rows " \
-                f"{lo}..{lo + len(rows) - 1} raised:\n{errs[0][1]}"
-
-
-async def _acall(fn, lo: int, prompts, completions, targets, metas, timeout: float):
-    """_call for an async plugin, cancelled after `timeout` seconds."""
-    t0, hi = time.perf_counter(), lo + len(completions)
-    try:
-        values = await asyncio.wait_for(fn(prompts, completions, targets, metas), timeout)
-        arr, err = _as_rewards(values, len(completions), lo)
-    except TimeoutError:
-        arr, err = None, f"call on rows {lo}..{hi - 1} did not finish within the " \
-                         f"{timeout:g} s timeout"
-    except BaseException:
-        arr, err = None, traceback.format_exc()
-        if len(completions) > 1:  # rows retried alone, concurrently
-            rows = await asyncio.gather(*(_acall(fn, lo + i, prompts[i:i + 1],
-                                                 completions[i:i + 1], targets[i:i + 1],
-                                                 metas[i:i + 1], timeout)
-                                          for i in range(len(completions))))
-            arr, err = _merge_rows(lo, rows)
-    return arr, time.perf_counter() - t0, err
-
-
-class PluginInterrupt(Exception):
-    """A plugin's own KeyboardInterrupt or SystemExit, carried as an ordinary exception."""
-
-
-async def _contained(coro):
-    try:
-        return await coro
-    except (KeyboardInterrupt, SystemExit) as e:
-        raise PluginInterrupt(f"the plugin raised {type(e).__name__}") from e
-
-
-def _contained_task(loop, coro, **kwargs) -> asyncio.Task:
-    """Task factory: asyncio re-raises a task's KeyboardInterrupt or SystemExit out of the
-    event loop, which would end every call of the batch (the per-row tasks of `per_sample`
-    included); as a PluginInterrupt, it fails only the call, like any other exception."""
-    return asyncio.Task(_contained(coro), loop=loop, **kwargs)
-
-
-def _call_async(calls: list, timeout: float, concurrency: int) -> list:
-    """[(fn, lo, prompts, completions, targets, metas)] -> their _call results, run
-    concurrently in one event loop of this thread."""
-    async def run_all():
-        asyncio.get_running_loop().set_task_factory(_contained_task)
-        ROW_SLOTS.set(asyncio.Semaphore(concurrency))
-        return await asyncio.gather(*(_acall(*c, timeout) for c in calls))
-    return asyncio.run(run_all())
-
-
-_worker_fns: list = []  # this worker process's plugins, set once by _init_worker
-
-
-def _init_worker(fns: list) -> None:
-    # Ctrl-C at a terminal reaches the whole process group; the trainer stops and kills its
-    # workers, so a worker ignores it, and a KeyboardInterrupt in one is a plugin's. A no-op
-    # handler, not SIG_IGN, which the plugins' own subprocesses would inherit.
-    signal.signal(signal.SIGINT, _no_op)
-    _worker_fns[:] = fns
-
-
-def _no_op(signum, frame) -> None:
-    pass
-
-
-def _call_in_worker(index: int, lo: int, *rows):
-    return [_call(_worker_fns[index], lo, *rows)]
-
-
-def _call_async_in_worker(calls: list, timeout: float, concurrency: int) -> list:
-    return _call_async([(_worker_fns[i], *rest) for i, *rest in calls], timeout, concurrency)
-
-
-def _ready() -> bool:
-    return True
 
 
 class RewardScorer:
@@ -297,9 +153,9 @@ class RewardScorer:
             self._pool = DaemonThreadPool(self._slots)
             return
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(
-            "spawn"), initializer=_init_worker, initargs=(self.fns,))
+            "spawn"), initializer=init_worker, initargs=(self.fns,))
         # start every worker now, so that start-up time never counts against a plugin's timeout
-        ready = [self._pool.submit(_ready) for _ in range(self.workers)]
+        ready = [self._pool.submit(worker_ready) for _ in range(self.workers)]
         done, late = wait(ready, timeout=POOL_START_TIMEOUT)
         errors = [f.exception() for f in done if f.exception() is not None]
         if late or errors:
@@ -471,13 +327,13 @@ class RewardScorer:
         args = [(p, lo, *(r[lo:hi] for r in rows)) for p, lo, hi in job]
         if self.executor == "process":  # pickling gives the worker its own copy of the rows
             if self.is_async[job[0][0]]:
-                return self._pool.submit(_call_async_in_worker, args, self.timeout,
+                return self._pool.submit(call_async_in_worker, args, self.timeout,
                                          self.concurrency)
-            return self._pool.submit(_call_in_worker, *args[0])
+            return self._pool.submit(call_in_worker, *args[0])
         # the same deep copy a worker process gets, so that a plugin cannot change the dataset
         # or what the next plugin sees (pickle: 6x faster than copy.deepcopy on small dicts)
         args = [(self.fns[p], lo, prompts, completions, targets, pickle.loads(pickle.dumps(m)))
                 for p, lo, prompts, completions, targets, m in args]
         if self.is_async[job[0][0]]:
-            return self._pool.submit(_call_async, args, self.timeout, self.concurrency)
-        return self._pool.submit(lambda a: [_call(*a)], args[0])
+            return self._pool.submit(call_async, args, self.timeout, self.concurrency)
+        return self._pool.submit(lambda a: [call(*a)], args[0])
