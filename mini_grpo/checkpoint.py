@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -222,11 +223,20 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict[str, Any]:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, wrong format, non-allowlisted pickle ...
-        raise CheckpointError(f"{path}: cannot load checkpoint ({type(e).__name__}: {e})") \
+        raise CheckpointError(f"{path}: cannot load checkpoint ({_reason_to_refuse(e)})") \
             from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no 'model' entry)")
     return state
+
+
+def _reason_to_refuse(e: Exception) -> str:
+    """torch.load's error in one line; for what weights_only refuses, not torch's advice to
+    load it with weights_only=False (which runs any code the file holds)."""
+    if isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
+        return "it holds more than tensors and plain values, which are never unpickled"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _sharded_meta(path: Path) -> dict[str, Any]:
@@ -236,7 +246,7 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
     try:
         meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot load meta.pt ({type(e).__name__}: {e})") \
+        raise CheckpointError(f"{path}: cannot load meta.pt ({_reason_to_refuse(e)})") \
             from None
     if not isinstance(meta, dict) or "kind" not in meta:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (meta.pt has no 'kind')")
@@ -277,7 +287,8 @@ def check_shapes(expected: dict[str, torch.Size], state: dict, source: str) -> N
         raise CheckpointError(f"{source}: model weights are not a mapping of tensors")
     missing = [k for k in expected if k not in state]
     extra = [k for k in state if k not in expected]
-    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(s)})" for k, s in expected.items()
+    shape = lambda v: tuple(v.shape) if torch.is_tensor(v) else f"({type(v).__name__})"
+    wrong = [f"{k} {shape(state[k])} (expected {tuple(s)})" for k, s in expected.items()
              if k in state and (not torch.is_tensor(state[k]) or state[k].shape != s)]
     for what, names in (("missing", missing), ("unexpected", extra), ("mismatched", wrong)):
         if names:

@@ -292,7 +292,9 @@ def resolve_config_path(name: str) -> Path:
 def _read_yaml(path: Path) -> dict[str, tuple[Any, int]]:
     """Returns {key: (value, line)} from a YAML mapping, with errors that name file and line."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid UTF-8") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
     try:

@@ -44,7 +44,13 @@ from .reference import Reference
 from .rewards import REWARDS
 from .scoring import RewardScorer
 from .tasks import TaskData, build_task
-from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_state
+from .tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    check_model_vocab,
+    tokenizer_from_state,
+)
 
 
 @dataclass
@@ -291,12 +297,17 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
         raise CheckpointError(f"{source}: no model weights")
     try:
         n_layer = model_config(spec).n_layer
+        check_model_vocab(tok, model_config(spec).vocab_size)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
     layers = {k.split(".")[1] for k in weights if k.startswith(("blocks.", "layers."))}
     if n_layer != len(layers):
         raise CheckpointError(f"{source}: its model has {n_layer} layers, its weights "
                               f"{len(layers)}")
+    try:  # sizes no machine holds would overflow even on the meta device
+        check_size(spec, "its model_spec")
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
     with torch.device("meta"):
         meta = build(spec)
     check_shapes({k: v.shape for k, v in meta.state_dict().items()}, weights, source)

@@ -10,6 +10,11 @@ CharTokenizer: ids 0..3 are the special tokens, then one id per character in sor
 Characters outside the alphabet encode to <unk> by default; `encode(..., strict=True)` raises
 instead, naming the character, which is what data loaders use to reject rows they could never
 learn. Its state is the alphabet, so a model always travels with its vocabulary.
+
+Tokenizer files and a checkpoint's tokenizer state are untrusted input, checked in one place
+each way in (`HFTokenizer.from_dir`, `tokenizer_from_state`, both through HFTokenizer's
+constructor): JSON through the bounded reader (jsonio.py), the chat template compiled and
+rendered only through chat_template.py; bad input is a ValueError (ConfigError) of one line.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+
+from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, template_text
+from .fields import ConfigError, show
+from .jsonio import check_tree, read_json_object
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
@@ -58,15 +67,16 @@ class CharTokenizer:
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids, stopping at the first <eos>; pad/bos are dropped, <unk> shows as '?'."""
+        """Text of the ids, stopping at the first <eos>; pad/bos are dropped, <unk> (and an id
+        past the alphabet, which a model larger than its tokenizer may sample) shows as '?'."""
         out = []
         for i in ids:
             i = int(i)
             if i == self.eos_id:
                 break
-            if i >= len(SPECIALS):
+            if len(SPECIALS) <= i < len(self.itos):
                 out.append(self.itos[i])
-            elif i == self.unk_id:
+            elif i == self.unk_id or i >= len(self.itos):
                 out.append("?")
         return "".join(out)
 
@@ -135,25 +145,38 @@ class HFTokenizer:
     to exist). The chat template is rendered the way transformers' `apply_chat_template`
     renders it: a sandboxed jinja2 environment with trim_blocks and lstrip_blocks,
     `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII characters, and the
-    special tokens (`bos_token`, `eos_token`, ...) as variables. Nothing is downloaded.
+    special tokens (`bos_token`, `eos_token`, ...) as variables, bounded in time and size
+    (chat_template.py). Nothing is downloaded.
+
+    The constructor checks what both ways in give it (a directory's files, a checkpoint's
+    state: the EOS ids, the chat template), `where` naming the source of each in the errors;
+    `config` is a mapping the bounded JSON reader (or `from_state`) has checked.
     """
 
     def __init__(self, tokenizer, config: dict, chat_template: str | None = None,
-                 extra_eos: Iterable[int] = ()):
+                 extra_eos: Iterable[int] = (), where: dict[str, str] | None = None):
+        where = {"chat_template": "chat template", "eos": "EOS ids", **(where or {})}
+        extra_eos = list(extra_eos)
         self.tk = tokenizer
         self.config = config
         self.specials = {name: _token_text(config.get(name)) for name in
                          ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.bos_id = self._id(self.specials["bos_token"])
         eos = self._id(self.specials["eos_token"])
+        for i in extra_eos:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ConfigError(f"{where['eos']}: {show(i)} is not a token id of this "
+                                  f"tokenizer (0 to {self.vocab_size - 1})")
         self.eos_ids = list(dict.fromkeys([i for i in [eos, *extra_eos] if i is not None]))
         if not self.eos_ids:
-            raise ValueError("tokenizer: no EOS token (eos_token in tokenizer_config.json or "
-                             "eos_token_id in generation_config.json)")
+            raise ConfigError("tokenizer: no EOS token (eos_token in tokenizer_config.json or "
+                              "eos_token_id in generation_config.json)")
         self.eos_id = self.eos_ids[0]
         pad = self._id(self.specials["pad_token"])
         self.pad_id = pad if pad is not None else self.eos_id  # masked out wherever it is used
         self.chat_template = chat_template
+        self.template = None if chat_template is None else \
+            ChatTemplate(chat_template, where["chat_template"])  # compiled: syntax errors here
         self.chat, self.system_prompt = chat_template is not None, ""
 
     def configure_chat(self, chat_template: str, system_prompt: str) -> None:
@@ -176,35 +199,53 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise ValueError(f"{path}: no tokenizer.json (a Hugging Face model directory "
-                             f"saved with save_pretrained has one)")
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ConfigError(f"{path}: no tokenizer.json (a Hugging Face model directory "
+                              f"saved with save_pretrained has one)")
+        if file.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise ConfigError(f"{file}: larger than {MAX_TOKENIZER_BYTES} bytes")
         config = read_json_object(path / "tokenizer_config.json") or {}
-        template = config.get("chat_template")
-        if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"),
-                            None)
+        where = {"eos": f"{path / 'generation_config.json'}: eos_token_id"}
+        jinja = path / "chat_template.jinja"
+        if jinja.is_file():
+            template, where["chat_template"] = _read_text(jinja), str(jinja)
+        else:
+            file_config = path / "tokenizer_config.json"
+            template = template_text(config.get("chat_template"), str(file_config))
+            where["chat_template"] = f"{file_config}: chat_template"
         gen = read_json_object(path / "generation_config.json") or {}
         extra = gen.get("eos_token_id")
         extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
         try:
-            tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tk = Tokenizer.from_file(str(file))
         except Exception as e:  # the library's own parse errors
-            raise ValueError(f"{path / 'tokenizer.json'}: cannot load ({e})") from None
-        return cls(tk, config, template, extra)
+            raise ConfigError(f"{file}: cannot load ({_first_line(e)})") from None
+        return cls(tk, config, template, extra, where)
 
     @classmethod
     def from_state(cls, state: dict) -> HFTokenizer:
-        """The tokenizer a checkpoint stored (`state()`)."""
+        """The tokenizer a checkpoint stored (`state()`), checked as its files would be."""
         from tokenizers import Tokenizer
 
+        types = {"tokenizer.json": str, "config": dict, "chat_template": (str, type(None)),
+                 "eos_ids": list}
+        for key, tp in types.items():
+            if not isinstance(state.get(key), tp):
+                raise ConfigError(f"tokenizer: the stored {key} is missing or of the wrong "
+                                  f"type ({type(state.get(key)).__name__})")
+        check_tree(state["config"], "tokenizer: the stored config")
+        if len(state["tokenizer.json"]) > MAX_TOKENIZER_BYTES:
+            raise ConfigError(f"tokenizer: the stored tokenizer.json is larger than "
+                              f"{MAX_TOKENIZER_BYTES} characters")
         try:
             tk = Tokenizer.from_str(state["tokenizer.json"])
-            return cls(tk, state["config"], state["chat_template"], state["eos_ids"])
-        except Exception as e:  # a foreign or damaged checkpoint entry
-            raise ValueError(f"tokenizer: cannot rebuild the stored tokenizer ({e})") from None
+        except Exception as e:  # the library's own parse errors
+            raise ConfigError(f"tokenizer: cannot rebuild the stored tokenizer "
+                              f"({_first_line(e)})") from None
+        return cls(tk, state["config"], state["chat_template"], state["eos_ids"],
+                   {"chat_template": "the checkpoint's chat template",
+                    "eos": "tokenizer: the stored eos_ids"})
 
     def state(self) -> dict:
         return {"type": "hf", "tokenizer.json": self.tk.to_str(), "config": self.config,
@@ -228,11 +269,17 @@ class HFTokenizer:
             if not isinstance(text, str):
                 raise ValueError("chat_template: rows with messages need the chat template "
                                  "(chat_template: auto or on, and a tokenizer that has one)")
-            return self.encode(text, bos=True)
-        messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
-        if self.system_prompt and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return self.encode(self.apply_chat_template(messages))
+            ids = self.encode(text, bos=True)
+        else:
+            messages = [{"role": "user", "content": text}] if isinstance(text, str) else \
+                list(text)
+            if self.system_prompt and (not messages or messages[0].get("role") != "system"):
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            ids = self.encode(self.apply_chat_template(messages))
+        if not ids:  # the model cannot start from nothing
+            raise ConfigError(f"prompt {show(text)}: encodes to no tokens (the tokenizer adds "
+                              f"no BOS: give a non-empty prompt, or use the chat template)")
+        return ids
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Token ids; `bos=True` adds what the tokenizer puts at a sequence's start (its
@@ -254,11 +301,11 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
         """The rendered conversation, as text (encode it with bos=False)."""
-        if self.chat_template is None:
+        if self.template is None:
             raise ValueError("tokenizer: no chat template (chat_template: off, or a model "
                              "directory whose tokenizer_config.json has one)")
-        return _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+        return self.template.render(
+            messages, add_generation_prompt=add_generation_prompt,
             **{k: v for k, v in self.specials.items() if v is not None}, **kwargs)
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -277,12 +324,31 @@ Tokenizer = CharTokenizer | HFTokenizer
 
 
 def tokenizer_from_state(state) -> Tokenizer:
-    """The tokenizer a checkpoint stored: an alphabet (list) or an HFTokenizer state."""
-    if isinstance(state, list) and all(isinstance(c, str) and len(c) == 1 for c in state):
-        return CharTokenizer(state)
+    """The tokenizer a checkpoint stored, checked like a tokenizer file: an alphabet (sorted
+    single characters, each once, as `CharTokenizer.state()` writes it) or an HFTokenizer
+    state. ValueError (ConfigError) of one line otherwise."""
+    if isinstance(state, list):
+        if all(isinstance(c, str) and len(c) == 1 for c in state) and \
+                state == sorted(set(state)):
+            return CharTokenizer(state)
+        raise ConfigError("tokenizer: the stored alphabet must be sorted single characters, "
+                          "each once")
     if isinstance(state, dict) and state.get("type") == "hf":
         return HFTokenizer.from_state(state)
-    raise ValueError("tokenizer: not a mini-grpo tokenizer state")
+    raise ConfigError("tokenizer: not a mini-grpo tokenizer state")
+
+
+def check_model_vocab(tok: Tokenizer, vocab_size: int) -> None:
+    """A tokenizer agrees with the model it comes with: a character tokenizer's ids are the
+    model's embedding rows exactly; a Hugging Face model may have more rows than its tokenizer
+    has tokens (padded embeddings), never fewer. ConfigError otherwise."""
+    if tok.vocab_size > vocab_size or (isinstance(tok, CharTokenizer) and
+                                       tok.vocab_size != vocab_size):
+        raise ConfigError(f"tokenizer: {tok.vocab_size} tokens, the model's embedding "
+                          f"{vocab_size}")
+
+
+MAX_TOKENIZER_BYTES = 128 << 20  # tokenizer.json: the largest vocabularies are ~35 MB
 
 
 def _token_text(value) -> str | None:
@@ -292,44 +358,18 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def read_json_object(path: Path, max_bytes: int = 16 << 20) -> dict | None:
-    """A JSON object from a model directory (untrusted: size bounded before reading), or None
-    when the file is absent; ValueError naming the file otherwise."""
-    if not path.is_file():
-        return None
-    if path.stat().st_size > max_bytes:
-        raise ValueError(f"{path}: {path.stat().st_size} bytes, too large for this file")
+def _read_text(path: Path) -> str:
+    """chat_template.jinja: bounded, UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read(4 * MAX_SOURCE_CHARS + 1)
+    if len(raw) > 4 * MAX_SOURCE_CHARS:
+        raise ConfigError(f"{path}: larger than {4 * MAX_SOURCE_CHARS} bytes")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid UTF-8") from None
 
 
-_TEMPLATES: dict = {}
-
-
-def _compile(template: str):
-    """A chat template compiled in a sandbox (templates are untrusted input), cached."""
-    if template not in _TEMPLATES:
-        import datetime
-
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                              separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        _TEMPLATES[template] = env.from_string(template)
-    return _TEMPLATES[template]
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__

@@ -106,9 +106,11 @@ def test_decode_stops_at_any_eos_and_round_trips_through_save(tmp_path):
 def test_sandboxed_templates_and_bad_directories(tmp_path):
     path, _ = save_tiny(tmp_path, "evil", "{{ ''.__class__.__mro__[1].__subclasses__() }}",
                         None, "<|im_end|>", None)
-    from jinja2.exceptions import SecurityError
+    from mini_grpo.chat_template import ChatTemplateError
 
-    with pytest.raises(SecurityError):
+    with pytest.raises(ChatTemplateError, match="evil/chat_template.jinja, template line 1: "
+                                                "chat template: SecurityError: access to "
+                                                "attribute '__class__'"):
         HFTokenizer.from_dir(path).apply_chat_template(MESSAGES[0])
     with pytest.raises(ValueError, match="no tokenizer.json"):
         HFTokenizer.from_dir(tmp_path)

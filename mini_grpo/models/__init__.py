@@ -9,7 +9,10 @@ size is checked against the machine's memory before anything is built (`check_si
 
 from __future__ import annotations
 
+import math
 import os
+import types
+import typing
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, fields
 
@@ -50,7 +53,37 @@ def model_config(spec: dict):
     if not isinstance(config, dict) or set(config) - names:
         raise ValueError(f"model config of family {family} has unknown keys "
                          f"{sorted(set(config or {}) - names)}")
-    return cls(**config)
+    hints = typing.get_type_hints(cls)
+    for key, value in config.items():
+        if not _fits(value, hints[key]):
+            raise ValueError(f"model config {key}: {value!r:.60} is not "
+                             f"{_WANTED.get(hints[key], hints[key])}")
+    cfg = cls(**config)
+    # the rules config.json's are checked by (hf.py): heads split the width, RoPE pairs dims
+    parts, whole = ("n_head", "n_embd") if family == "gpt" else ("n_kv_head", "n_head")
+    if getattr(cfg, parts) < 1 or getattr(cfg, whole) % getattr(cfg, parts):
+        raise ValueError(f"model config {parts}: {getattr(cfg, parts)} does not divide "
+                         f"{whole} {getattr(cfg, whole)}")
+    if family == "llama" and cfg.head_dim % 2:
+        raise ValueError(f"model config head_dim: {cfg.head_dim} must be even (RoPE)")
+    return cfg
+
+
+_WANTED = {int: "an integer >= 0", float: "a finite number >= 0", bool: "true/false",
+           str: "a string", dict: "a mapping"}
+
+
+def _fits(value, tp) -> bool:
+    """A spec's value of its field's type: sizes are integers >= 0, numbers finite >= 0."""
+    if typing.get_origin(tp) is types.UnionType:  # int | None
+        return value is None or any(_fits(value, t) for t in typing.get_args(tp)
+                                    if t is not type(None))
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value) and value >= 0
+    return isinstance(value, tp)
 
 
 _INITS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_",

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, check_shapes
-from ..tokenizer import read_json_object
+from ..jsonio import read_json_object
 from . import CausalLM, GPTConfig, LlamaConfig, build, check_size
 
 # model_type -> our family
@@ -52,8 +52,11 @@ def read_config(path: str | Path) -> dict:
     if config is None:
         raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
     kind = config.get("model_type")
-    if kind not in HF_TYPES:
-        arch = ", ".join(config.get("architectures") or []) or "?"
+    if not isinstance(kind, str) or kind not in HF_TYPES:
+        arch = config.get("architectures")
+        arch = ", ".join(a for a in arch if isinstance(a, str)) \
+            if isinstance(arch, list) else ""
+        arch = arch or "?"
         raise CheckpointError(f"{file}: model_type {kind!r} ({arch}) is not supported "
                               f"(supported: {', '.join(HF_TYPES)})")
     return config
@@ -204,13 +207,17 @@ def weight_files(path: Path) -> list[Path]:
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json "
                               f"(only safetensors weights are read, never pickles)")
     try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{index}: cannot read the weight map ({e})") from None
-    files = [path / s for s in shards]
+        weight_map = read_json_object(index, MAX_CONFIG_BYTES * 16).get("weight_map")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(weight_map, dict) or \
+            not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map each tensor name to a file name")
+    files = [path / s for s in sorted(set(weight_map.values()))]
+    present = {p.name for p in path.iterdir() if p.is_file()}  # no stat of a name it gives
     for f in files:
-        if f.parent != path or not f.is_file():
-            raise CheckpointError(f"{index}: lists {f.name}, which is not in {path}")
+        if f.parent != path or f.name not in present:
+            raise CheckpointError(f"{index}: lists {f.name[:100]}, which is not in {path}")
     return files
 
 

@@ -1,0 +1,423 @@
+"""The fuzz suite (issue 25): every loader of untrusted input fed generated input, structured
+and malformed (deep nesting, huge numbers, wrong types, unicode, truncation), in-process.
+The property is mini-grpo's promise: success, or our one-line error (an exit-2 class: what
+cli._guarded turns into exit 2), within a time and memory bound.
+
+    .venv/bin/python -m pytest tests/test_fuzz.py                     # 250 examples a test
+    .venv/bin/python -m pytest -p tests.hypothesis_profiles --hypothesis-profile=long \
+        tests/test_fuzz.py                                            # 5,000 (profiles there)
+
+Loaders: YAML configs, `--key=value` overrides and task_args (config.load_config); JSONL rows,
+prompt and messages (tasks/jsonl.py); a model directory's config.json, tokenizer_config.json,
+generation_config.json, model.safetensors.index.json and safetensors headers (models/hf.py,
+HFTokenizer.from_dir); chat templates (chat_template.py); checkpoints (run.checkpoint_config,
+build_policy, tokenizer_from_state). What they found is in tests/test_untrusted.py.
+"""
+
+import json
+import resource
+import shutil
+import struct
+import time
+
+import hypothesis_profiles  # noqa: F401  (registers and loads the profiles)
+import pytest
+import torch
+from conftest import CHATML, ROOT, tiny_lm_dir
+from hypothesis import given
+from hypothesis import strategies as st
+from test_untrusted import tiny_checkpoint
+
+from mini_grpo.chat_template import MAX_CHARS, ChatTemplate
+from mini_grpo.checkpoint import CheckpointError
+from mini_grpo.config import GRPOConfig, load_config, parse_cli
+from mini_grpo.fields import ConfigError
+from mini_grpo.scoring import RewardError
+from mini_grpo.tasks.jsonl import load_jsonl
+
+EXIT_2 = (ConfigError, CheckpointError, RewardError)
+
+
+def within_bounds(fn, seconds: float = 10.0, mib: int = 512):
+    """fn()'s result, or the exit-2 error it raised (its first line is what the CLI prints);
+    anything else fails the test, and so does taking more than `seconds` of CPU (not of the
+    clock: a machine busy with other work must not fail it) or growing the process by more
+    than `mib`."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the high-water mark
+    t0 = time.process_time()
+    try:
+        result = fn()
+    except EXIT_2 as e:  # cli._fail prints the first line
+        assert str(e).strip() and str(e).splitlines()[0].strip(), repr(str(e))
+        result = e
+    elapsed = time.process_time() - t0
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+    assert elapsed < seconds, f"took {elapsed:.1f} s"
+    assert grown < mib, f"grew by {grown:.0f} MiB"
+    return result
+
+
+# --- generated values ---------------------------------------------------------------------------
+
+UNICODE = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates too
+NUMBERS = st.one_of(st.integers(-2**70, 2**70), st.floats(),
+                    st.sampled_from([0, -1, 2**31, 2**63, 10**18, 10**300]))
+SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, UNICODE,
+                    st.sampled_from(["", "auto", "null", "true", "1e999", "nan", "-1", "1_0"]))
+VALUES = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=4) |
+                      st.dictionaries(UNICODE, kids, max_size=4), max_leaves=10)
+DEPTHS = st.sampled_from([1, 50, 99, 101, 500, 1000, 5000, 20_000])
+
+
+@st.composite
+def raw_json(draw) -> str:
+    """JSON text json.dumps cannot write: deep nesting, huge numbers, odd literals."""
+    n = draw(DEPTHS)
+    return draw(st.sampled_from([
+        "[" * n + "]" * n, '{"a":' * n + "0" + "}" * n, "9" * min(n, 6000),
+        "-" + "9" * min(n, 6000), "1e999", "NaN", "-Infinity", '"\\ud800"', "[" * n]))
+
+
+class Raw:
+    """A value `dumps` writes as this text, verbatim."""
+
+    def __init__(self, text):
+        self.text = text
+
+
+def dumps(value) -> str:
+    """json.dumps, with Raw values written as their text."""
+    raws = []
+
+    def swap(v):
+        if isinstance(v, Raw):
+            raws.append(v.text)
+            return f"@@raw{len(raws) - 1}@@"
+        if isinstance(v, dict):
+            return {k: swap(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [swap(x) for x in v]
+        return v
+
+    text = json.dumps(swap(value))
+    for i, r in enumerate(raws):
+        text = text.replace(f'"@@raw{i}@@"', r)
+    return text
+
+
+def text_variants(valid: str):
+    """A valid text, cut short, with text spliced in, or replaced by garbage."""
+    return st.one_of(
+        st.just(valid),
+        st.integers(0, len(valid)).map(lambda i: valid[:i]),
+        st.tuples(st.integers(0, len(valid)), UNICODE | raw_json()).map(
+            lambda t: valid[:t[0]] + t[1] + valid[t[0]:]),
+        UNICODE, raw_json())
+
+
+def documents(valid: dict, keys: list[str], values=None):
+    """JSON text: `valid` with some of `keys` (or others) set to generated values, or a
+    variant of its text."""
+    values = st.one_of(VALUES, raw_json().map(Raw)) if values is None else values
+    edits = st.dictionaries(st.sampled_from(keys) | UNICODE, values, max_size=3)
+    return st.one_of(edits.map(lambda e: dumps({**valid, **e})),
+                     text_variants(json.dumps(valid)))
+
+
+# --- configs: YAML files, --key=value, task_args --------------------------------------------------
+
+FIELDS = sorted(GRPOConfig.__dataclass_fields__)
+TASK_KEYS = ["num_train", "min_plies", "max_plies", "move_format", "pgn_path", "min_numbers",
+             "max_numbers", "prompt_style", "answer_tag"]
+YAML_SNIPPETS = ["&a [1, 2]", "*a", "!!python/object/apply:os.system ['true']", "!!binary aGk=",
+                 "{a: 1, <<: *a}", "2001-12-14", "0x1F", "1_000", ".inf", "~", "|\n  text",
+                 "? [a]\n: b", "'unterminated", "[" * 3000, "- a\n- b", "\t1", "countdown",
+                 "jsonl", "chess_fen", "{num_train: 10000000000000}", "9" * 5000]
+YAML_VALUES = st.one_of(VALUES.map(json.dumps), st.sampled_from(YAML_SNIPPETS), UNICODE)
+KEYS = st.one_of(st.sampled_from(FIELDS), st.sampled_from(TASK_KEYS).map("task_args.".__add__),
+                 UNICODE)
+
+
+@st.composite
+def yaml_files(draw) -> str:
+    lines = draw(st.lists(st.tuples(KEYS, YAML_VALUES), max_size=6))
+    doc = "".join(f"{k}: {v}\n" for k, v in lines)
+    tiny_yaml = (ROOT / "configs" / "tiny.yaml").read_text()
+    return draw(st.one_of(st.just(doc), text_variants(tiny_yaml + doc)))
+
+
+@given(text=yaml_files(), argv=st.lists(st.tuples(KEYS, YAML_VALUES | UNICODE).map(
+    lambda kv: f"--{kv[0]}={kv[1]}"), max_size=3))
+def test_yaml_configs_and_overrides(tmp_path_factory, text, argv):
+    path = tmp_path_factory.getbasetemp() / "fuzz.yaml"
+    path.write_text(text, errors="surrogatepass")
+    within_bounds(lambda: load_config(str(path), parse_cli(argv)[1], env={}))
+
+
+@given(argv=st.lists(st.one_of(UNICODE, st.tuples(KEYS, YAML_VALUES).map(
+    lambda kv: f"--{kv[0]}={kv[1]}"), st.sampled_from(["--task", "--config", "--", "-x"])),
+    max_size=6))
+def test_command_line_overrides(argv):
+    within_bounds(lambda: load_config(*parse_cli(argv), env={}))
+
+
+# --- JSONL rows -----------------------------------------------------------------------------------
+
+PROMPT_ROW = {"prompt": "e2e4:", "target": "x", "id": 1}
+MESSAGES_ROW = {"messages": [{"role": "user", "content": "e2e4:"}], "target": "x"}
+
+
+@st.composite
+def jsonl_files(draw) -> bytes:
+    rows = draw(st.lists(st.one_of(
+        documents(PROMPT_ROW, ["prompt", "target", "messages"]),
+        documents(MESSAGES_ROW, ["messages", "target", "prompt"],
+                  st.lists(st.dictionaries(st.sampled_from(["role", "content"]) | UNICODE,
+                                           VALUES, max_size=3), max_size=3) | VALUES)),
+        min_size=1, max_size=5))
+    data = "\n".join(rows).encode("utf-8", "surrogatepass")
+    tail = draw(st.sampled_from([b"", b"\n", b"\xff\n", b"\n\n"]))
+    return data + tail
+
+
+@given(data=jsonl_files(), alphabet=st.booleans())
+def test_jsonl_rows(tmp_path_factory, data, alphabet):
+    from mini_grpo.tokenizer import CharTokenizer
+
+    path = tmp_path_factory.getbasetemp() / "fuzz.jsonl"
+    path.write_bytes(data)
+    tok = CharTokenizer("e24:x") if alphabet else None
+    within_bounds(lambda: load_jsonl(path, tok))
+
+
+# --- a model directory's files --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return tiny_lm_dir(tmp_path_factory.mktemp("models") / "qwen")
+
+
+@pytest.fixture(scope="module")
+def work(lm, tmp_path_factory):
+    """A copy of the model directory each example edits (and the loaders read)."""
+    return shutil.copytree(lm, tmp_path_factory.mktemp("work") / "m")
+
+
+def restore(lm, work, *names):
+    for name in names:
+        if (lm / name).is_file():
+            shutil.copy(lm / name, work / name)
+        else:
+            (work / name).unlink(missing_ok=True)
+
+
+def load_model(path):
+    from mini_grpo.models.hf import load_hf_model
+
+    return load_hf_model(path, weights=False)
+
+
+def load_tokenizer(path):
+    from mini_grpo.tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_dir(path)
+    if tok.chat_template is not None:
+        tok.encode_prompt("e2e4:")
+    return tok
+
+
+CONFIG_KEYS = ["model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+               "rms_norm_eps", "hidden_act", "tie_word_embeddings", "attention_bias",
+               "sliding_window", "use_sliding_window", "torch_dtype", "dtype"]
+TOKENIZER_KEYS = ["eos_token", "bos_token", "pad_token", "unk_token", "chat_template",
+                  "added_tokens_decoder"]
+
+
+@pytest.mark.parametrize("name, keys, load", [
+    ("config.json", CONFIG_KEYS, load_model),
+    ("tokenizer_config.json", TOKENIZER_KEYS, load_tokenizer),
+    ("generation_config.json", ["eos_token_id", "bos_token_id", "pad_token_id"],
+     load_tokenizer),
+])
+@given(data=st.data())
+def test_model_directory_json(lm, work, name, keys, load, data):
+    valid = json.loads((lm / name).read_text())
+    if name == "tokenizer_config.json":  # its own template, not chat_template.jinja's
+        valid["chat_template"] = (lm / "chat_template.jinja").read_text()
+    text = data.draw(documents(valid, keys))
+    if name == "tokenizer_config.json":
+        (work / "chat_template.jinja").unlink(missing_ok=True)
+    (work / name).write_text(text, errors="surrogatepass")
+    try:
+        within_bounds(lambda: load(work))
+    finally:
+        restore(lm, work, name, "chat_template.jinja")
+
+
+@given(data=st.data())
+def test_index_json(lm, work, data):
+    shard = "model-00001-of-00001.safetensors"
+    names = list(json.loads(safetensors_header((lm / "model.safetensors").read_bytes())[1]))
+    valid = {"metadata": {"total_size": 1}, "weight_map": dict.fromkeys(names, shard)}
+    weight_maps = st.one_of(VALUES, st.dictionaries(
+        st.sampled_from(names) | UNICODE,
+        st.sampled_from([shard, "", "/etc/passwd", "../m/" + shard, "x\x00y", shard + "x"]) |
+        VALUES, max_size=4))
+    text = data.draw(documents(valid, ["weight_map", "metadata"],
+                               st.one_of(weight_maps, raw_json().map(Raw))))
+    (work / "model.safetensors").rename(work / shard)
+    (work / "model.safetensors.index.json").write_text(text, errors="surrogatepass")
+    try:
+        within_bounds(lambda: load_model(work))
+    finally:
+        (work / shard).rename(work / "model.safetensors")
+        restore(lm, work, "model.safetensors.index.json")
+
+
+def safetensors_header(raw: bytes) -> tuple[int, str]:
+    n = struct.unpack("<Q", raw[:8])[0]
+    return n, raw[8:8 + n].decode()
+
+
+@given(data=st.data())
+def test_safetensors_headers(lm, work, data):
+    from mini_grpo.models.hf import load_hf_model
+
+    raw = (lm / "model.safetensors").read_bytes()
+    n, header = safetensors_header(raw)
+    valid = json.loads(header)
+    entries = st.fixed_dictionaries({}, optional={
+        "dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "BOOL", "F8_E4M3", "X"]) | VALUES,
+        "shape": st.lists(st.integers(-2, 2**40), max_size=4) | VALUES,
+        "data_offsets": st.lists(st.integers(-1, 2**40), max_size=3) | VALUES})
+    text = data.draw(documents(valid, list(valid), entries | VALUES))
+    body = text.encode("utf-8", "surrogatepass")
+    length = data.draw(st.one_of(st.just(len(body)), st.integers(0, 2**64 - 1),
+                                 st.integers(max(0, len(body) - 3), len(body) + 3)))
+    tail = raw[8 + n:]
+    tail = data.draw(st.sampled_from([tail, tail[:len(tail) // 2], tail + b"\0" * 64, b""]))
+    (work / "model.safetensors").write_bytes(struct.pack("<Q", length) + body + tail)
+    try:
+        within_bounds(lambda: load_hf_model(work))
+    finally:
+        restore(lm, work, "model.safetensors")
+
+
+# --- chat templates -------------------------------------------------------------------------------
+
+PIECES = [
+    "{% for m in messages %}", "{% endfor %}", "{% if add_generation_prompt %}", "{% endif %}",
+    "{% else %}", "{{ m['role'] }}", "{{ m.content|upper }}", "{{ messages[0]['content'] }}",
+    "{{ messages[N] }}", "{{ raise_exception('refused') }}", "{{ nothing.here }}", "{{ x }}",
+    "{{ ''.__class__ }}", "{{ m.__init__ }}", "{% macro f() %}{{ f() }}{% endmacro %}",
+    "{{ f() }}", "{% macro g(n) %}{{ g(n - 1) }}{{ g(n - 1) }}{% endmacro %}{{ g(N) }}",
+    "{% set ns = namespace(s='ab', l=[]) %}", "{% set ns.s = ns.s ~ ns.s %}", "{{ ns.s }}",
+    "{% set ns.l = ns.l + [ns.s[1:]] %}", "{{ ([1] * N)|map('center', N)|list|length }}",
+    "{{ bos_token }}", "{{ messages|tojson(indent=N) }}", "{{ 'x' * N }}", "{{ [1] * N }}",
+    "{% for i in range(N) %}", "{{ ('ab' * N)|replace('a', 'aaaa') }}", "{{ N ** N }}",
+    "{{ '%0Nd' % 1 }}", "{{ '{:>N}'.format(1) }}", "{{ 'a'.join(['b'] * N) }}",
+    "{{ range(N)|list|length }}", "{% set y %}", "{% endset %}", "{{ y|indent(N) }}",
+    "{{ 1 / 0 }}", "{{ m.content[:N] }}", "{% filter upper %}", "{% endfilter %}",
+    "{% include 'x' %}", "{% raw %}", "{% endraw %}", "{% break %}", "{% continue %}",
+    "{{ loop.index }}", "{{ (messages|length) * N }}", "{{ 'ab'|center(N) }}", "{#", "#}",
+    "{{", "}}", "{%", "%}", "text ", "\n", "{{ strftime_now('%Y') }}", "{{ N|string * N }}"]
+NS = st.sampled_from([0, 1, 2, 50, 1000, 99_999, 10**6, 10**9, -1])
+MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]) | UNICODE, "content": UNICODE},
+    optional={"tool_calls": VALUES}), min_size=1, max_size=3)
+
+
+# Llama 3's shape: BOS, headers, a refusal, loop controls, tojson
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{% if m['content'] is not string %}"
+          "{{ raise_exception('content must be text') }}{% endif %}"
+          "{% if m['role'] == 'ignored' %}{% continue %}{% endif %}"
+          "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim"
+          " + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+          "{{ messages | tojson }}")
+
+
+@st.composite
+def templates(draw) -> str:
+    pieces = draw(st.lists(st.tuples(st.sampled_from(PIECES), NS), max_size=12))
+    composed = "".join(p.replace("N", str(n)) for p, n in pieces)
+    return draw(st.one_of(st.just(composed), text_variants(CHATML), text_variants(LLAMA3)))
+
+
+@pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")  # jinja's
+@given(template=templates(), messages=MESSAGES, generation=st.booleans())
+def test_chat_templates(template, messages, generation):
+    def render():
+        return ChatTemplate(template, "t.jinja").render(
+            messages, seconds=0.1, add_generation_prompt=generation, bos_token="<s>")
+
+    text = within_bounds(render, seconds=5)
+    assert not isinstance(text, str) or 0 < len(text) <= MAX_CHARS
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return tiny_checkpoint()
+
+
+@st.composite
+def checkpoint_states(draw, valid: dict) -> dict:
+    state = dict(valid)
+    for key in draw(st.lists(st.sampled_from(["config", "tokenizer", "model_spec", "model",
+                                              "step", "kind"]) | UNICODE, max_size=3,
+                                 unique=True)):
+        old = valid.get(key)
+        if key == "config" and isinstance(old, dict):
+            new = {**old, **draw(st.dictionaries(st.sampled_from(FIELDS) | UNICODE, VALUES,
+                                                 max_size=2))}
+        elif key == "tokenizer":
+            new = draw(st.one_of(VALUES, st.lists(UNICODE, max_size=5),
+                                 st.just(old[:3] + old[:2]), st.just(old[::-1]),
+                                 st.fixed_dictionaries({"type": st.just("hf")},
+                                                       optional=dict.fromkeys(
+                                                           ["tokenizer.json", "config",
+                                                            "chat_template", "eos_ids"],
+                                                           VALUES))))
+        elif key == "model_spec" and isinstance(old, dict):
+            config = {**old["config"], **draw(st.dictionaries(
+                st.sampled_from(list(old["config"])) | UNICODE, VALUES | NUMBERS, max_size=2))}
+            new = draw(st.sampled_from([{**old, "config": config}, {**old, "family": "x"},
+                                        config]))
+        elif key == "model" and isinstance(old, dict):
+            name = draw(st.sampled_from(sorted(old)))
+            shape = draw(st.lists(st.integers(0, 6), max_size=3))
+            new = {**old, name: draw(st.sampled_from([torch.zeros(shape), None, "x"]))}
+            if draw(st.booleans()):
+                new.pop(name)
+        else:
+            new = draw(VALUES)
+        state[key] = new
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")  # torch's
+@given(data=st.data())
+def test_checkpoints(checkpoint, tmp_path_factory, data):
+    from mini_grpo.run import build_policy, checkpoint_config
+
+    path = tmp_path_factory.getbasetemp() / "fuzz.pt"
+    if data.draw(st.booleans()):
+        torch.save(data.draw(checkpoint_states(checkpoint)), path)
+    else:  # the file itself cut short or garbled
+        torch.save(checkpoint, path)
+        raw = path.read_bytes()
+        cut = data.draw(st.integers(0, len(raw)))
+        path.write_bytes(raw[:cut] + data.draw(st.binary(max_size=16)))
+
+    def load():
+        state, cfg = checkpoint_config(str(path), {"rewards": "null"})
+        model, tok = build_policy(cfg, None, state)  # what export and sample build
+        tok.decode(range(model.cfg.vocab_size))
+        return tok
+
+    within_bounds(load)

@@ -1,0 +1,384 @@
+"""Untrusted input that used to escape as a traceback (issue 25, and issue 22's list item 8):
+model directories' JSON, chat templates, a checkpoint's tokenizer state. Each case ends in our
+one-line error naming the file (exit 2 through the CLI), bounded in time and size."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, clean_env, entry, tiny_lm_dir
+
+from mini_grpo.chat_template import MAX_CHARS, ChatTemplate
+from mini_grpo.checkpoint import CheckpointError
+from mini_grpo.fields import ConfigError
+from mini_grpo.models.hf import load_hf_model
+from mini_grpo.tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    check_model_vocab,
+    tokenizer_from_state,
+)
+
+USER = [{"role": "user", "content": "e2e4 e7e5:"}]
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    pytest.importorskip("transformers")  # builds the directory
+    return tiny_lm_dir(tmp_path_factory.mktemp("models") / "qwen")
+
+
+def copy(lm, tmp_path, **files):
+    """A copy of the tiny model directory with `files` (name: text, or None to remove)."""
+    path = shutil.copytree(lm, tmp_path / "m")
+    for name, text in files.items():
+        if text is None:
+            (path / name).unlink()
+        else:
+            (path / name).write_text(text)
+    return path
+
+
+def with_template(lm, tmp_path, template):
+    """The model directory with `template` as its chat_template.jinja."""
+    return copy(lm, tmp_path, **{"chat_template.jinja": template})
+
+
+def refused(fn, *needles):
+    """fn() raises our one-line error (an exit-2 class) containing each needle."""
+    with pytest.raises((ConfigError, CheckpointError)) as e:
+        fn()
+    message = str(e.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mini_grpo", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                          timeout=timeout)
+
+
+def one_line_exit_2(r, needle):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: ") and needle in lines[0], lines
+
+
+# --- model directories: one bounded JSON reader ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json",
+                                  "generation_config.json"])
+def test_deeply_nested_json_in_a_model_directory_is_named(lm, tmp_path, name):
+    path = copy(lm, tmp_path, **{name: DEEP})
+    load = (lambda: load_hf_model(path)) if name == "config.json" else \
+        (lambda: HFTokenizer.from_dir(path))
+    refused(load, f"{path / name}: nested deeper than 64 levels")
+    nested = {"a": json.loads("[" * 80 + "]" * 80)}  # parses, but too deep to keep
+    (path / name).write_text(json.dumps(nested))
+    refused(load, f"{path / name}: nested deeper than 64 levels")
+
+
+def sharded(lm, tmp_path, weight_map):
+    path = copy(lm, tmp_path)
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    (path / "model.safetensors.index.json").write_text(
+        weight_map if isinstance(weight_map, str) else json.dumps({"weight_map": weight_map}))
+    return path, path / "model.safetensors.index.json"
+
+
+def test_a_bad_index_json_is_named(lm, tmp_path):
+    path, index = sharded(lm, tmp_path, DEEP)
+    refused(lambda: load_hf_model(path), f"{index}: nested deeper than 64 levels")
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": 1}}))  # was a TypeError
+    refused(lambda: load_hf_model(path), f"{index}: weight_map must map each tensor name")
+    index.write_text(json.dumps({"weight_map": ["model-00001-of-00001.safetensors"]}))
+    refused(lambda: load_hf_model(path), f"{index}: weight_map must map")
+    index.write_text('{"weight_map": {"x": "model-00001-of-00001.safetensors"}')
+    refused(lambda: load_hf_model(path), f"{index}:1: malformed JSON")
+    index.write_text(json.dumps({"weight_map": {"x": "../m/model-00001-of-00001.safetensors"}}))
+    refused(lambda: load_hf_model(path), "which is not in")
+    index.write_text(json.dumps({"weight_map": {"x": "a" * 5000}}))  # fuzz: was an OSError
+    refused(lambda: load_hf_model(path), "which is not in")
+    index.write_text(json.dumps({"weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    assert load_hf_model(path).cfg.n_layer == 2  # the good index loads
+
+
+def test_other_bad_json_is_named(lm, tmp_path):
+    path = copy(lm, tmp_path)
+    for text, needle in [("1" * 5000, "an integer longer than"), ("[1, 2]", "got an array"),
+                         ('{"a": "\\ud800"}', "not valid Unicode"),
+                         (b"\xff\xfe".decode("latin-1"), "not valid UTF-8"),
+                         ('{"model_type": ["qwen2"], "architectures": 3}', "is not supported")]:
+        (path / "config.json").write_text(text, encoding="latin-1" if "ÿ" in text else "utf-8")
+        refused(lambda: load_hf_model(path), str(path / "config.json"), needle)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "pad": "x" * (1 << 20)}))
+    refused(lambda: load_hf_model(path), "too large for this file")
+    gen = path / "generation_config.json"
+    for eos in ("-1", "[2, 99999]", '"x"', "true"):
+        gen.write_text(f'{{"eos_token_id": {eos}}}')
+        refused(lambda: HFTokenizer.from_dir(path), f"{gen}: eos_token_id",
+                "is not a token id of this tokenizer")
+
+
+# --- chat templates: one bounded renderer --------------------------------------------------------
+
+@pytest.mark.parametrize("template, needle", [
+    ("{% for %}", "template line 1: chat template: TemplateSyntaxError: Expected an expression"),
+    ("{% if true %}\n{{ raise_exception('Conversation roles must alternate') }}{% endif %}",
+     "template line 2: the chat template refuses this conversation: Conversation roles must "
+     "alternate"),
+    ("{{ messages[5]['content'] }}", "UndefinedError: list object has no element 5"),
+    ("{{ nothing.here }}", "UndefinedError: 'nothing' is undefined"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion too deep"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}",
+     "SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
+    ("{% for i in range(100001) %}{% endfor %}", "OverflowError: Range too big"),
+    ("{% for i in range(10**9) %}{% endfor %}", f"a number over {MAX_CHARS}"),
+    ("{{ 'x' * 10**9 }}", "a repetition ('x' * n) would be over"),
+    ("{{ 2 ** 100000 }}", "a power: a number over"),
+    ("{{ '%0999999999d' % 1 }}", "a formatted string would be over"),
+    ("{{ '{:>99999999}'.format(1) }}", "a formatted string would be over"),
+    ("{{ 'x'|center(10**9) }}", f"a number over {MAX_CHARS}"),
+    ("{{ ('x' * 100000)|replace('x', 'y' * 1000) }}", "a replaced string would be over"),
+    ("{{ ['x' * 100000] * 100|join }}", "TypeError"),
+    ("{{ (['x' * 100000] * 100)|join }}", "a joined string would be over"),
+    ("{{ ('x\n' * 100000)|indent(1000) }}", "an indented string would be over"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+     "{% endfor %}", "a concatenation (~) would be over"),
+    ("{% for i in range(99999) %}{{ 'x' * 99 }}{% endfor %}", "writes more than"),
+    ("{% macro m() %}{% for i in range(99999) %}0123456789 0123456789{% endfor %}"
+     "{% endmacro %}", "ok"),  # a macro never called writes nothing
+    ("{% macro m() %}{% for i in range(99999) %}0123456789 0123456789{% endfor %}"
+     "{% endmacro %}{% set x = m() %}ok", "writes more than"),  # counted where it is written
+    ("{{ [('x' * 100000)] * 100 }}", "writes more than"),
+    # fuzz-style: many values, each under the bound, do not add up to gigabytes
+    ("{{ ([1] * 1000)|map('center', 10**6)|list|length }}", "builds more than"),
+    ("{% set big = 'x' * 10**6 %}{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+     "{% set ns.l = ns.l + [big[:-1]] %}{% endfor %}", "builds more than"),
+    ("{% include 'other.jinja' %}", "no loader"),
+    ("{{ lipsum(100000) }}", "'lipsum' is undefined"),
+    ("{{ 'ab'.translate({97: 'x' * 1000}) }}", "str.translate is not available"),
+    ("", "renders an empty prompt"),
+    ("{% if false %}x{% endif %}", "renders an empty prompt"),
+])
+def test_chat_templates_that_fail_are_one_line_naming_the_file(template, needle):
+    t0 = time.monotonic()
+    if needle == "ok":
+        assert ChatTemplate(template + "ok", "x.jinja").render(USER) == "ok"
+        return
+    refused(lambda: ChatTemplate(template, "d/chat_template.jinja").render(USER, seconds=2),
+            "d/chat_template.jinja", needle)
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "{% for x in [range(99999)] * 99999 recursive %}{{ loop(x) if x is iterable }}{% endfor %}",
+])
+def test_a_template_that_runs_for_ever_is_stopped(template):
+    t0 = time.monotonic()
+    refused(lambda: ChatTemplate(template, "t.jinja").render(USER, seconds=0.3),
+            "t.jinja, template line 1: chat template: rendering took longer than 0.3 s")
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("value, needle", [
+    (42, "must be a string or a list"),
+    ([{"name": "default"}], "chat_template[0] must be an object with string \"name\" and "
+                            "\"template\""),
+    (["{{ x }}"], "chat_template[0] must be an object"),
+    ([{"name": "default", "template": 3}], "chat_template[0]"),
+])
+def test_bad_chat_template_entries_in_tokenizer_config_are_named(lm, tmp_path, value, needle):
+    config = json.loads((lm / "tokenizer_config.json").read_text())
+    path = copy(lm, tmp_path, **{"chat_template.jinja": None, "tokenizer_config.json":
+                                 json.dumps({**config, "chat_template": value})})
+    refused(lambda: HFTokenizer.from_dir(path), str(path / "tokenizer_config.json"), needle)
+
+
+def test_named_templates_use_the_default_one(lm, tmp_path):
+    config = json.loads((lm / "tokenizer_config.json").read_text())
+    named = [{"name": "tool_use", "template": "{{ raise_exception('no') }}"},
+             {"name": "default", "template": "<{{ messages[0]['content'] }}>"}]
+    path = copy(lm, tmp_path, **{"chat_template.jinja": None, "tokenizer_config.json":
+                                 json.dumps({**config, "chat_template": named})})
+    assert HFTokenizer.from_dir(path).apply_chat_template(USER) == "<e2e4 e7e5:>"
+
+
+def test_an_empty_prompt_never_reaches_the_model(lm, tmp_path):
+    tok = HFTokenizer.from_dir(with_template(lm, tmp_path, "{% if false %}x{% endif %}"))
+    refused(lambda: tok.encode_prompt("e2e4:"), "renders an empty prompt")
+    tok.configure_chat("off", "")  # Qwen adds no BOS: an empty text is no tokens at all
+    refused(lambda: tok.encode_prompt(""), "prompt '': encodes to no tokens")
+
+
+# --- a checkpoint's tokenizer state: checked like a tokenizer file ------------------------------
+
+def test_a_malformed_tokenizer_state_is_refused(lm):
+    good = HFTokenizer.from_dir(lm).state()
+    assert tokenizer_from_state(good) == HFTokenizer.from_dir(lm)
+    assert tokenizer_from_state(list("abc")) == CharTokenizer("abc")
+    for state, needle in [
+        (list("cba"), "sorted single characters, each once"),
+        (["a", "a", "b"], "sorted single characters"),
+        (["ab"], "sorted single characters"),
+        ({"type": "char"}, "not a mini-grpo tokenizer state"),
+        ({**good, "eos_ids": [10**6]}, "the stored eos_ids: 1000000 is not a token id"),
+        ({**good, "eos_ids": ["2"]}, "is not a token id"),
+        ({**good, "eos_ids": None}, "the stored eos_ids is missing"),
+        ({**good, "config": []}, "the stored config is missing or of the wrong type"),
+        ({**good, "config": {"a": json.loads("[" * 70 + "]" * 70)}}, "nested deeper"),
+        ({**good, "chat_template": 7}, "the stored chat_template"),
+        ({**good, "chat_template": "{% for %}"}, "the checkpoint's chat template, template "
+                                                 "line 1: chat template: TemplateSyntaxError"),
+        ({**good, "tokenizer.json": "{}"}, "cannot rebuild the stored tokenizer"),
+    ]:
+        refused(lambda s=state: tokenizer_from_state(s), needle)
+
+
+def test_a_tokenizer_must_fit_its_model():
+    tok = CharTokenizer("abc")  # 7 ids
+    check_model_vocab(tok, 7)
+    refused(lambda: check_model_vocab(tok, 43), "tokenizer: 7 tokens, the model's embedding 43")
+    refused(lambda: check_model_vocab(tok, 5), "7 tokens")
+    assert tok.decode([4, 40, 5]) == "a?b"  # an id past the alphabet: never an IndexError
+
+
+def tiny_checkpoint() -> dict:
+    """What a checkpoint of configs/tiny.yaml's model holds (Run.identity and the weights)."""
+    from conftest import tiny
+
+    from mini_grpo.models import build, spec
+    from mini_grpo.run import gpt_spec
+    from mini_grpo.tasks.chess_fen import ALPHABET
+
+    cfg, tok = tiny(None, mode="sft"), CharTokenizer(ALPHABET)
+    torch.manual_seed(0)
+    model = build(gpt_spec(cfg, tok.vocab_size))
+    return {"kind": "sft", "step": 1, "config": cfg.to_dict(), "tokenizer": tok.state(),
+            "model_spec": spec(model), "model": model.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "step_0000001.pt"
+    torch.save(tiny_checkpoint(), path)
+    return path
+
+
+def with_tokenizer(checkpoint, tmp_path, tokenizer):
+    state = torch.load(checkpoint, weights_only=True)
+    path = tmp_path / "bad.pt"
+    torch.save({**state, "tokenizer": tokenizer}, path)
+    return path
+
+
+def test_sample_and_export_refuse_a_malformed_tokenizer_state(checkpoint, tmp_path):
+    alphabet = torch.load(checkpoint, weights_only=True)["tokenizer"]
+    bad = with_tokenizer(checkpoint, tmp_path, alphabet + alphabet[:2])  # was an IndexError
+    for args in (["sample", "--prompt", "e2e4:", "--max_new_tokens", "4"],
+                 ["export", "--output", tmp_path / "hf"]):
+        r = cli(args[0], "--checkpoint", bad, *args[1:])
+        one_line_exit_2(r, f"{bad}: tokenizer: the stored alphabet must be sorted")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_sample_and_export_refuse_an_alphabet_that_does_not_fit_the_model(checkpoint,
+                                                                          tmp_path):
+    alphabet = torch.load(checkpoint, weights_only=True)["tokenizer"]
+    bad = with_tokenizer(checkpoint, tmp_path, alphabet[:3])  # was an IndexError
+    for args in (["sample", "--prompt", alphabet[0], "--max_new_tokens", "4"],
+                 ["export", "--output", tmp_path / "hf"]):
+        r = cli(args[0], "--checkpoint", bad, *args[1:])
+        one_line_exit_2(r, f"{bad}: tokenizer: 7 tokens, the model's embedding")
+
+
+# --- through the entry points: exit 2, one line naming the file ---------------------------------
+
+@pytest.mark.parametrize("case", ["deep_config", "escape", "huge", "loop", "empty", "raise"])
+def test_the_cli_exits_2_with_one_line_naming_the_file(lm, tmp_path, case):
+    files = {"deep_config": {"tokenizer_config.json": DEEP},
+             "escape": {"chat_template.jinja": "{{ ''.__class__.__mro__[1].__subclasses__() }}"},
+             "loop": {"chat_template.jinja": "{% for i in range(99999) %}{% for j in "
+                                             "range(99999) %}{% endfor %}{% endfor %}"},
+             "huge": {"chat_template.jinja": "{{ 'x' * 10**9 }}"},
+             "empty": {"chat_template.jinja": ""},
+             "raise": {"chat_template.jinja": "{{ raise_exception('Only user roles') }}"}}[case]
+    path = copy(lm, tmp_path, **files)
+    r = cli("sample", "--checkpoint", path, "--prompt", "e2e4:", "--max_new_tokens", 2)
+    one_line_exit_2(r, f"{path / next(iter(files))}")
+
+
+def test_training_from_a_directory_whose_template_refuses_exits_2(lm, tmp_path):
+    path = with_template(lm, tmp_path, "{{ raise_exception('System role not supported') }}")
+    r = entry("--config", "tiny", f"--init_from={path}", f"--out_dir={tmp_path / 'run'}",
+              "--block_size=256", "--task_args.num_train=16", "--num_eval=4")
+    one_line_exit_2(r, f"{path / 'chat_template.jinja'}, template line 1: the chat template "
+                       f"refuses this conversation: System role not supported")
+
+
+# --- found by the fuzz suite in files this change does not own ----------------------------------
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    from mini_grpo.config import load_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"amp_dtype: \xed\xa0\x80\n")  # a lone surrogate, as UTF-8 never writes it
+    refused(lambda: load_config(str(path), {}, env={}), f"{path}: not valid UTF-8")
+
+
+def saved(tmp_path, **changes):
+    path = tmp_path / "ckpt.pt"
+    torch.save({**tiny_checkpoint(), **changes}, path)
+    return path
+
+
+def open_checkpoint(path):
+    from mini_grpo.run import build_policy, checkpoint_config
+
+    state, cfg = checkpoint_config(str(path), {"rewards": "null"})
+    return build_policy(cfg, None, state)
+
+
+@pytest.mark.parametrize("key, value", [("n_embd", True), ("vocab_size", None),
+                                        ("n_head", "4"), ("dropout", float("nan")),
+                                        ("n_head", 3)])  # 3: a RuntimeError in `sample`
+def test_a_model_spec_of_the_wrong_types_is_named(tmp_path, key, value):
+    spec = tiny_checkpoint()["model_spec"]
+    path = saved(tmp_path, model_spec={**spec, "config": {**spec["config"], key: value}})
+    refused(lambda: open_checkpoint(path), f"{path}: model config {key}")
+
+
+def test_a_model_spec_of_absurd_size_is_named(tmp_path):
+    spec = tiny_checkpoint()["model_spec"]
+    path = saved(tmp_path, model_spec={**spec, "config": {**spec["config"], "n_embd": 2**62}})
+    refused(lambda: open_checkpoint(path), f"{path}: its model_spec: the model would hold")
+
+
+def test_a_weight_that_is_not_a_tensor_is_named(tmp_path):
+    weights = tiny_checkpoint()["model"]
+    path = saved(tmp_path, model={**weights, "wte.weight": None})
+    refused(lambda: open_checkpoint(path), "mismatched weights: wte.weight (NoneType)")
+
+
+def test_a_checkpoint_holding_more_than_plain_values_is_one_line(tmp_path):
+    import pickle
+
+    from mini_grpo.checkpoint import load_checkpoint
+
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps(print, protocol=2))  # a global weights_only refuses
+    message = refused(lambda: load_checkpoint(path), f"{path}: cannot load checkpoint")
+    assert "weights_only` set to `False`" not in message
