@@ -97,6 +97,23 @@ class GRPOConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
 
+    # ---- rollout engine (mini_grpo/engines) ----
+    # native: our batched, KV-cached sampler; vllm: vLLM samples the rollouts (`make setup
+    # VLLM=1`; Hugging Face models only), its weights synced from the policy in memory
+    # whenever an update went through
+    rollout_engine: Literal["native", "vllm"] = "native"
+    # colocate: each rank runs its own in-process engine, for its own share of the prompts
+    vllm_mode: Literal["colocate"] = "colocate"
+    # the engine's weights and KV cache; auto = bfloat16 on a GPU that has it, else float32
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    vllm_gpu_memory_utilization: float = 0.3  # on a GPU: its share for the engine
+    # KV-cache GiB per engine; 0 = on a GPU from vllm_gpu_memory_utilization, on a CPU what
+    # one step's rows need
+    vllm_kv_cache_gib: float = 0.0
+    # truncated importance sampling of vLLM's samples: each token's policy-gradient term
+    # weighted by min(exp(logp_old - logp_vllm), cap) (TRL and verl use about 2); 0 = off
+    vllm_is_cap: float = 2.0
+
     # ---- GRPO ----
     max_steps: int = 150  # ~1.4 s per step on 2 CPU cores with the default model
     prompts_per_step: int = 16  # global batch of prompts; each gets group_size completions
@@ -197,7 +214,8 @@ class GRPOConfig:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         non_negative = ["lr", "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "beta",
                         "epsilon_low", "epsilon_high", "top_k", "sft_steps", "num_threads",
-                        "rft_num_prompts", "rft_sft_steps", "rft_lr", "fsdp_shard_size"]
+                        "rft_num_prompts", "rft_sft_steps", "rft_lr", "fsdp_shard_size",
+                        "vllm_kv_cache_gib", "vllm_is_cap"]
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -208,6 +226,9 @@ class GRPOConfig:
                               f"got {self.group_size}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1], "
+                              f"got {self.vllm_gpu_memory_utilization}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
         if not 0 <= self.reward_max_fail_frac <= 1:
@@ -245,7 +266,7 @@ ENV_VARS: dict[str, str] = {
     "PARALLEL_REWARDS": "parallel_rewards",  # legacy switch: false = reward_executor serial
     "NUM_WORKERS": "num_reward_workers", "NUM_THREADS": "num_threads",
     "CPU_MALLOC_CACHE": "cpu_malloc_cache", "OUT_DIR": "out_dir", "SEED": "seed",
-    "MAX_STEPS": "max_steps", "PARALLELISM": "parallelism",
+    "MAX_STEPS": "max_steps", "PARALLELISM": "parallelism", "ROLLOUT_ENGINE": "rollout_engine",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

@@ -161,6 +161,14 @@ def model_state(model: torch.nn.Module, everywhere: bool = False) -> dict:
     return get_model_state_dict(model, options=_options(cpu_offload=not everywhere))
 
 
+def full_tensors(model: torch.nn.Module):
+    """(name, full tensor) of each entry of model.state_dict(), one at a time: under fsdp each
+    is all-gathered as it is read (a collective: every rank must read them all, in order), so
+    a rank never holds more than one full tensor besides its shards."""
+    for name, t in model.state_dict().items():
+        yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def load_model_state(model: torch.nn.Module, state: dict) -> None:
     """Loads a full state dict that every rank holds (each keeps its shard)."""
     if not is_sharded(model):

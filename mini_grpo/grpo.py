@@ -40,10 +40,13 @@ class LossSettings:
     eps_high: float = 0.2
     agg: str = "grpo"  # grpo | dapo | dr_grpo
     max_new_tokens: int | None = None  # dr_grpo's constant
+    is_cap: float = 0.0  # truncated importance sampling of the engine's samples; 0 = off
 
     @classmethod
     def of(cls, cfg) -> LossSettings:
-        return cls(cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.loss_agg, cfg.max_new_tokens)
+        cap = cfg.vllm_is_cap if cfg.rollout_engine == "vllm" else 0.0  # native: weight 1
+        return cls(cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.loss_agg, cfg.max_new_tokens,
+                   cap)
 
 
 class LossStats(NamedTuple):
@@ -53,6 +56,21 @@ class LossStats(NamedTuple):
     clip_high: torch.Tensor  # ratio above 1 + eps_high where the advantage is positive
     ratio: torch.Tensor
     entropy: torch.Tensor
+    engine_diff: torch.Tensor  # |logp_old - logp_engine|: the rollout engine's mismatch
+    engine_kl: torch.Tensor  # KL(engine || trainer), k3 on the engine's samples
+
+
+def engine_is_weight(old_logp, engine_logp, mask, cap: float):
+    """Truncated importance sampling (TRL's and verl's vLLM correction): the rollout was
+    sampled by an engine whose log-probs differ from the trainer's (other kernels, other
+    precision), so each token's policy-gradient term is weighted by
+    min(exp(logp_old - logp_engine), cap), detached: (B, T), 1 where masked; None when cap
+    is 0 (off). Also returns the mismatch's token means (|logp_old - logp_engine|, and
+    KL(engine || trainer) by the k3 estimator on the engine's samples), for the metrics."""
+    keep, m = mask.bool(), mask.float()
+    d = torch.where(keep, old_logp.detach() - engine_logp, 0.0)  # log(trainer / engine)
+    weight = torch.exp(d).clamp(max=cap) if cap > 0 else None
+    return weight, _masked_mean(d.abs(), m), _masked_mean(torch.exp(d) - 1 - d, m)
 
 
 def zero_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -88,11 +106,15 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, ref_logp=None,
-              entropy=None, num_seqs=None, num_tokens=None) -> tuple[torch.Tensor, LossStats]:
+              entropy=None, num_seqs=None, num_tokens=None,
+              engine_logp=None) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one (micro-)batch and its detached statistics.
 
     logp, old_logp, ref_logp, entropy: (B, T) fp32; adv: (B,); mask: (B, T) completion mask.
     num_seqs / num_tokens: the global batch's sequence and token counts (default: this batch).
+    engine_logp: (B, T) the log-probs the rollout engine sampled with; with `s.is_cap` the
+    policy-gradient term (not the KL term) of each token is weighted by truncated importance
+    sampling (`engine_is_weight`), and the stats say how far the two disagree.
     """
     beta, eps_low, eps_high, agg = s.beta, s.eps_low, s.eps_high, s.agg
     keep, m = mask.bool(), mask.float()
@@ -102,6 +124,12 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, re
     ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))  # (B, T), 1 where masked
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.min(ratio * A, clipped * A)
+    zero = torch.zeros((), device=logp.device)
+    diff = engine_kl = zero
+    if engine_logp is not None:
+        weight, diff, engine_kl = engine_is_weight(old_logp, engine_logp, mask, s.is_cap)
+        if weight is not None:
+            per_token = per_token * weight
     kl = None
     if beta != 0.0:
         if ref_logp is None:
@@ -122,11 +150,11 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, re
         raise ValueError(f"agg must be grpo, dapo or dr_grpo, got {agg!r}")
 
     with torch.no_grad():  # tensors, not floats: no host sync per micro-batch
-        zero = torch.zeros((), device=logp.device)
         stats = LossStats(
             kl=_masked_mean(kl, m) if kl is not None else zero,
             clip_low=_masked_mean(((ratio < 1 - eps_low) & (A < 0)).float(), m),
             clip_high=_masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), m),
             ratio=_masked_mean(ratio, m),
-            entropy=_masked_mean(entropy, m) if entropy is not None else zero)
+            entropy=_masked_mean(entropy, m) if entropy is not None else zero,
+            engine_diff=diff, engine_kl=engine_kl)
     return loss, stats

@@ -77,13 +77,15 @@ def _pick(logits, temperature, top_k, top_p, greedy, generator):
 
 
 @torch.no_grad()
-def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
-             pad_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             greedy: bool = False, generator: torch.Generator | None = None,
+def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
+             eos_id: int | list[int], pad_id: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
              use_cache: bool = True) -> Rollout:
     """Samples up to max_new_tokens per prompt, one forward pass per new token for the batch.
 
-    Stops as soon as every row has emitted EOS. `use_cache=False` recomputes the whole
+    A row ends at the first of its tokens in `eos_id` (one id, or every id that ends a
+    completion: a tokenizer's `eos_ids`); sampling stops as soon as every row has ended.
+    `use_cache=False` recomputes the whole
     sequence at each step (the baseline the KV cache is measured against).
     """
     device = model.lm_head.weight.device
@@ -106,6 +108,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, eos
     all_pos[:, P:] = pmask.sum(1, keepdim=True) + torch.arange(N, device=device)
     seq = torch.cat([ids, out], dim=1)  # (B, P + N) for the no-cache path
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
 
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
@@ -126,7 +129,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, eos
         out_mask[:, t] = ~done
         out_lp[:, t] = lp.masked_fill(done, 0.0)
         key_valid[:, P + t] = ~done
-        done |= tok == eos_id
+        done |= torch.isin(tok, eos)
         steps = t + 1
         if t == N - 1 or bool(done.all() | bad):  # the one host sync per token: EOS check
             break
@@ -177,7 +180,7 @@ def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list[str], max_new_to
     """Text in, Rollout with decoded `texts` out; prompts are encoded as the tokenizer
     says (`encode_prompt`: a leading BOS, or the chat template)."""
     enc = [tokenizer.encode_prompt(p) for p in prompts]
-    r = generate(model, enc, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, **kw)
+    r = generate(model, enc, max_new_tokens, tokenizer.eos_ids, tokenizer.pad_id, **kw)
     r.texts = [tokenizer.decode(row) for row in r.completion_ids.tolist()]
     return r
 

@@ -29,6 +29,7 @@ from . import fsdp
 from .checkpoint import CheckpointError, check_shapes, load_checkpoint, load_weights
 from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
+from .engines import Engine, make_engine
 from .logger import RunLogger
 from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
 from .models.hf import load_hf_model
@@ -68,6 +69,7 @@ class Run:
     scorer: RewardScorer | None
     logger: RunLogger | None  # rank 0 of a training run only
     reference: Reference | None = None
+    engine: Engine | None = None  # what samples GRPO's rollouts (engines/); training runs only
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
@@ -107,6 +109,8 @@ class Run:
             print(message, flush=True)
 
     def close(self, failed: bool = False) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.scorer is not None:
             self.scorer.close()
         if self.logger is not None:
@@ -146,8 +150,8 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
                                   and device.type != "cpu")
         if not sharded:  # under fsdp each block goes to the device as it is sharded, so the
             model.to(device)  # device never holds the whole model
-        if data is not None:
-            check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval])
+        longest = check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval]) \
+            if data is not None else 0
         precision = resolve_precision(cfg, device, lambda parts: probe_dtypes(model, cfg, parts),
                                       train)
         model.attn_impl = attention_impl(cfg.attn_impl, device, precision.dtype)
@@ -169,6 +173,12 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         D.cleanup(wait=False)
         raise
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger)
+    if train and data is not None and cfg.mode in ("grpo", "sft_grpo"):
+        try:  # before any work: a model the engine cannot serve is refused here
+            run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size))
+        except BaseException:
+            run.close(failed=True)
+            raise
     if data is not None:
         procs = f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}"
         run.print0(f"[mini-grpo] task {data.name}: {len(data.train)} train / {len(data.eval)} "
@@ -200,9 +210,9 @@ def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
                               f"processes ({dist.world_size}): every rank needs at least one")
 
 
-def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> None:
+def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> int:
     """Every prompt (as the model sees it: BOS or chat template) plus max_new_tokens must fit
-    in block_size; fail before work."""
+    in block_size; fail before work. Returns the longest prompt's tokens."""
     try:
         longest = max(len(tok.encode_prompt(p)) for p in prompts)
     except ValueError as e:  # messages without a chat template
@@ -210,6 +220,7 @@ def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> None:
     if longest + cfg.max_new_tokens > cfg.block_size:
         raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
                           f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
+    return longest
 
 
 def gpt_spec(cfg: GRPOConfig, vocab_size: int) -> dict:

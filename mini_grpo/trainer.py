@@ -25,9 +25,10 @@ import torch
 from . import distributed as D
 from . import faults, fsdp
 from .data import batch_indices, shard
+from .engines import Sampling
 from .evaluate import evaluate
 from .grpo import LossSettings, group_advantages, grpo_loss, zero_spread
-from .rollout import MicroBatch, Rollout, micro_batches, sample, score
+from .rollout import MicroBatch, Rollout, micro_batches, score
 from .state import TrainState
 
 
@@ -45,6 +46,8 @@ def train_grpo(run, resume: dict | None = None, amp: bool = True) -> TrainState:
         run.logger.start_clock(state.current_step)
     if run.comm:
         run.comm.pop()  # the collectives of SFT, RFT and the set-up are no step's
+    engine, synced = run.engine, -1  # -1: the engine has never had this stage's weights
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
     for step in range(state.current_step + 1, cfg.max_steps + 1):
         faults.step_start(step, dist)
         t_step, times = time.perf_counter(), {}
@@ -53,12 +56,15 @@ def train_grpo(run, resume: dict | None = None, amp: bool = True) -> TrainState:
         rows = [task.train[i] for i in shard(idx, dist.rank, dist.world_size)
                 for _ in range(cfg.group_size)]  # group-major: (B * G,)
 
-        # ---- rollout with the unwrapped policy (no DDP hooks)
+        # ---- rollout by the engine (native: the unwrapped policy, no DDP hooks), which
+        # first gets the weights if an update, a restore or the stage before changed them
         t0 = time.perf_counter()
-        with fsdp.full_params(model), state.autocast(generation=True):
-            r = sample(model, run.tok, [ex.model_input for ex in rows], cfg.max_new_tokens,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                       generator=state.gen, use_cache=cfg.kv_cache)
+        if state.weight_version != synced:
+            engine.sync(model)
+            synced = state.weight_version
+        times["sync"], t0 = time.perf_counter() - t0, time.perf_counter()
+        r = engine.generate([ex.model_input for ex in rows], sampling, state.gen,
+                            state.autocast(generation=True))
         times["generate"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- rewards and advantages (normalisers of the global batch)
@@ -83,7 +89,8 @@ def train_grpo(run, resume: dict | None = None, amp: bool = True) -> TrainState:
         model.train()
         stats, old, t_opt = StepStats.zeros(run.device), None, 0.0
         for _ in range(cfg.num_iterations):
-            part, old = policy_pass(run.net, batches, batch, ref_lp, old, cfg, state, pad)
+            part, old = policy_pass(run.net, batches, batch, ref_lp, old, cfg, state, pad,
+                                    engine_lp=r.logprobs)
             faults.after_backward(step, dist, part.loss, model)
             stats += part
             t1 = time.perf_counter()
@@ -169,6 +176,8 @@ class StepStats:
     clip_high: torch.Tensor
     ratio: torch.Tensor
     entropy: torch.Tensor
+    engine_diff: torch.Tensor
+    engine_kl: torch.Tensor
     positions: torch.Tensor  # token positions pushed through the model, padding included
     real: torch.Tensor  # the real tokens among them (each prompt counted once)
 
@@ -183,7 +192,7 @@ class StepStats:
 
 
 def policy_pass(net, batches: list[MicroBatch], batch: Batch, ref_lp, old, cfg,
-                state: TrainState | None = None, pad: int = 0):
+                state: TrainState | None = None, pad: int = 0, engine_lp=None):
     """One pass over the rollout's micro-batches, accumulating the gradient of its GRPO loss
     (through `state`: its autocast and loss scaling; without one, fp32 and a plain backward).
 
@@ -191,6 +200,8 @@ def policy_pass(net, batches: list[MicroBatch], batch: Batch, ref_lp, old, cfg,
     (ratio exactly 1); later passes get back the list this returns. The normalisers are the
     global batch's, so the gradients summed over micro-batches and ranks are those of one
     process holding the whole batch; DDP averages over ranks, hence the factor world size.
+    `engine_lp` (B, N): the log-probs the rollout engine sampled with (its mismatch with the
+    old ones is measured, and under vllm corrected: grpo.engine_is_weight).
     All micro-batches but the last skip DDP's all-reduce (no_sync). `pad` extra passes over
     the last micro-batch carry no loss: under fsdp they keep the ranks' collectives in step.
     Returns (StepStats of this pass, old).
@@ -207,7 +218,9 @@ def policy_pass(net, batches: list[MicroBatch], batch: Batch, ref_lp, old, cfg,
             olds.append(logp.detach() if old is None else old[j])
             loss, st = grpo_loss(logp, olds[j], batch.adv[mb.rows], mb.mask, settings,
                                  ref_logp=ref_lp[mb.rows, :mb.ids.size(1)], entropy=ent,
-                                 num_seqs=batch.num_seqs, num_tokens=batch.num_tokens)
+                                 num_seqs=batch.num_seqs, num_tokens=batch.num_tokens,
+                                 engine_logp=None if engine_lp is None else
+                                 engine_lp[mb.rows, :mb.ids.size(1)])
             backward(loss * world)
         k = mb.mask.sum()
         pushed, real = mb.positions()
@@ -247,6 +260,8 @@ def step_metrics(r: Rollout, res, batch: Batch, stats: StepStats, cfg, times: di
          "loss": acc["loss"] / iters, "kl": acc["kl"] / tok, "clip_low": acc["clip_low"] / tok,
          "clip_high": acc["clip_high"] / tok, "ratio": acc["ratio"] / tok,
          "entropy": acc["entropy"] / tok,
+         # the rollout engine's log-probs against the trainer's (the first pass's, per token)
+         "engine/logp_diff": acc["engine_diff"] / tok, "engine/kl": acc["engine_kl"] / tok,
          "completion_len/mean": red["len"] / n, "completion_len/max": red["len_max"],
          "zero_spread_frac": red["zero"] / red["groups"], "tokens_per_s": red["len"] / seconds,
          "truncated_frac": red["truncated"] / n,  # rows that hit max_new_tokens without EOS

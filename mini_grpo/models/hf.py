@@ -325,6 +325,19 @@ def _new_config(model: CausalLM) -> dict:
             "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": c.dropout}
 
 
+def hf_tensors(model: CausalLM, weights, dtype: torch.dtype, head: bool = False):
+    """(Hugging Face name, tensor) for each of our (name, tensor) in `weights`, one at a time:
+    in `dtype`, GPT-2's Conv1D weights transposed, a tied LM head left out (the embedding
+    holds it) unless `head`. What save_hf writes and what a rollout engine is sent
+    (engines/vllm.py)."""
+    family, tied = model.family, model.tied_head() and not head
+    for name, t in weights:
+        if name == "lm_head.weight" and tied:  # stored once, as the embedding
+            continue
+        t = t.detach().to(dtype)
+        yield _theirs(family, name), (t.t() if _conv1d(family, name) else t).contiguous()
+
+
 def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
             tokenizer=None, shard_bytes: int = SHARD_BYTES, state: dict | None = None) -> Path:
     """`model` as a Hugging Face directory that transformers' AutoModelForCausalLM loads:
@@ -334,16 +347,11 @@ def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
     directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
-    path, family, tied = Path(path), model.family, model.tied_head()
+    path = Path(path)
     weights = model.state_dict() if state is None else state
     if dtype is None:
         dtype = weights["lm_head.weight"].dtype
-    state = {}
-    for name, t in weights.items():
-        if name == "lm_head.weight" and tied:  # stored once, as the embedding
-            continue
-        t = t.detach().to("cpu", dtype)
-        state[_theirs(family, name)] = (t.t() if _conv1d(family, name) else t).contiguous()
+    state = {name: t.to("cpu") for name, t in hf_tensors(model, weights.items(), dtype)}
     config = export_config(model, dtype)
     shards, size = [[]], 0
     for name, t in state.items():
