@@ -69,6 +69,12 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--task=countdown", "--task_args.num_train=1000000000000"], {},
      ["task_args.num_train: must be in 1..10,000,000"]),
     ("", ["--num_eval=1000000000000"], {}, ["num_eval: must be <= 10,000,000"]),
+    # the rollout engine: refused at start, before any work, vllm installed or not
+    ("seed: 1\n", ["--rollout_engine=vllm"], {}, ["rollout_engine: vllm serves Hugging Face models",
+                                                  "init_from"]),
+    ("", ["--vllm_gpu_memory_utilization=0"], {}, ["vllm_gpu_memory_utilization: must be in"]),
+    ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be >= 0"]),
+    ("", ["--vllm_mode=server"], {}, ["vllm_mode", "colocate"]),
 ])
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, yaml_text, args, env, expected):
     cfg_file = tmp_path / "bad.yaml"

@@ -151,3 +151,39 @@ def test_a_padded_position_with_a_very_low_policy_logprob_keeps_the_loss_finite(
         assert logp.grad[0, 1] == 0  # the padded position carries no gradient
         # k3 at the real token: d = -0.2, exp(-0.2) + 0.2 - 1 = 0.018731
         assert stats.kl.item() == pytest.approx(math.exp(-0.2) + 0.2 - 1)
+
+
+def test_truncated_importance_sampling_by_hand():
+    # the engine sampled seq 0's tokens with log-probs 0.7, 0.1, 0.0 below the trainer's
+    # (and seq 1's one token 0.5 above): weights exp(0.7) = 2.01 -> cap 2, exp(0.1) = 1.105,
+    # 1, and exp(-0.5) = 0.607; masked tokens weigh 1
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
+    engine = old - torch.tensor([[0.7, 0.1, 0.0], [-0.5, 3.0, 3.0]])
+    s = LossSettings(agg="dapo", is_cap=2.0)
+    logp = old.clone().requires_grad_()
+    loss, stats = grpo_loss(logp, old, ADV, MASK, s, engine_logp=engine)
+    # ratio 1: per-token loss -A x weight; dapo: (-2 (2 + 1.10517 + 1) + 1 x 0.60653) / 4
+    want = (-2 * (2 + math.exp(0.1) + 1) + math.exp(-0.5)) / 4
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    # the mismatch stats: mean |d| = (0.7 + 0.1 + 0 + 0.5) / 4; k3 = e^d - 1 - d per token
+    assert stats.engine_diff.item() == pytest.approx(1.3 / 4, rel=1e-6)
+    k3 = sum(math.exp(d) - 1 - d for d in (0.7, 0.1, 0.0, -0.5)) / 4
+    assert stats.engine_kl.item() == pytest.approx(k3, rel=1e-5)
+    # the weights carry no gradient of their own: d loss / d logp = -A w / tokens
+    loss.backward()
+    torch.testing.assert_close(logp.grad[0], torch.tensor([-4.0, -2 * math.exp(0.1), -2]) / 4)
+
+
+def test_without_a_cap_the_engine_is_measured_but_not_corrected():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
+    engine = old - 0.3
+    plain, _ = grpo_loss(old, old, ADV, MASK, LossSettings(agg="dapo"))
+    loss, stats = grpo_loss(old, old, ADV, MASK, LossSettings(agg="dapo"), engine_logp=engine)
+    assert loss.item() == plain.item()
+    assert stats.engine_diff.item() == pytest.approx(0.3, rel=1e-5)
+
+
+def test_only_the_vllm_engine_is_corrected():
+    from conftest import tiny
+    assert LossSettings.of(tiny(None)).is_cap == 0.0  # native: the weight is exactly 1
+    assert LossSettings.of(tiny(None, rollout_engine="vllm", vllm_is_cap=3)).is_cap == 3.0

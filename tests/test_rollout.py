@@ -208,3 +208,14 @@ def test_sampling_draws_from_the_tempered_truncated_distribution():
         want = tempered * keep / (tempered * keep).sum()
         assert (freq - want).abs().max() < 0.015, (top_k, top_p, freq, want)
         torch.testing.assert_close(lp, tempered.log()[tok])  # before truncation
+
+
+def test_every_eos_id_ends_a_row():
+    # a tokenizer may name several ids that end a completion (Llama 3: <|eot_id|> and
+    # <|end_of_text|>): a row ends at whichever comes first
+    m = tiny_gpt()
+    boost_eos(m, 100.0)  # EOS (2) always wins, so a row ends at once only if 2 counts
+    r = generate(m, PROMPTS, 5, [7, EOS], PAD, greedy=True)
+    assert r.finished.all() and r.completion_ids[:, 0].tolist() == [EOS] * 3
+    r = generate(m, PROMPTS, 5, [7], PAD, greedy=True)  # EOS alone no longer ends a row
+    assert not r.finished.any() and r.completion_ids.size(1) == 5

@@ -46,6 +46,9 @@ MIN_KV_BYTES = 64 << 20
 def import_vllm():
     """The vllm module, with the engine core in this process; a ConfigError without it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM's own log at ERROR unless asked (its INFO lines run to pages; with no tokenizer
+    # loaded it also warns, with a traceback, that its chat-template warm-up failed)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import vllm
     except Exception as e:  # ImportError, or a broken install (torchvision's, say)
@@ -112,7 +115,7 @@ class VLLMEngine:
                               self.SamplingParams(max_tokens=1, detokenize=False),
                               use_tqdm=False)
         except Exception as e:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self.close()
             raise ConfigError(f"rollout_engine: vllm cannot serve this model "
                               f"({model.family}, head size {_head_dim(model)}): "
                               f"{_summary(e)}") from None
@@ -158,8 +161,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
+        """Shuts the engine down now, not at exit: its teardown destroys the default process
+        group (vLLM's, or under torchrun ours), which must happen before distributed.cleanup
+        looks at it (Run.close closes the engine first)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(self.dir, ignore_errors=True)
-        self.llm = None
 
 
 def _head_dim(model) -> int:

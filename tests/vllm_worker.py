@@ -1,0 +1,101 @@
+"""The vLLM engine checked in a process of its own (vLLM sets up process-wide state: a
+process group, thread binding), printing one JSON line for tests/test_vllm.py:
+
+    python tests/vllm_worker.py parity qwen2 DIR   # greedy and log-probs against ours, sync
+    python tests/vllm_worker.py train DIR [--stale] # 3 GRPO steps; --stale: sync only once
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from conftest import tiny, tiny_lm_dir  # noqa: E402
+
+from mini_grpo.engines import Sampling  # noqa: E402
+from mini_grpo.engines.native import NativeEngine  # noqa: E402
+from mini_grpo.logprobs import completion_logprobs  # noqa: E402
+
+
+def gap(run, r, temperature) -> float:
+    """max |engine log-prob - the policy's| over the rollout's tokens."""
+    lp = completion_logprobs(run.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask, temperature)
+    return (lp - r.logprobs).abs().max().item()
+
+
+def parity(family: str, root: Path) -> dict:
+    from mini_grpo.run import setup
+
+    lm = tiny_lm_dir(root / family, family, heads=2)  # head_dim 32: vLLM's CPU minimum
+    cfg = tiny(root / "out", init_from=str(lm), rollout_engine="vllm", max_new_tokens=12,
+               block_size=256)
+    with setup(cfg, log=False) as run:
+        engine, native = run.engine, NativeEngine(run.model, run.tok)
+        prompts = [ex.model_input for ex in run.task.train[:4]]
+        out = {"dummy_gap": None}
+        greedy = Sampling(12, greedy=True)
+        r = engine.generate(prompts, greedy)  # the engine's own (dummy) weights: no sync yet
+        out["dummy_gap"] = gap(run, r, 1.0)
+        engine.sync(run.model)
+        r, n = engine.generate(prompts, greedy), native.generate(prompts, greedy)
+        out["greedy_equal"] = torch.equal(r.completion_ids, n.completion_ids) and \
+            torch.equal(r.completion_mask, n.completion_mask) and \
+            torch.equal(r.finished, n.finished) and r.texts == n.texts
+        out["greedy_gap"] = gap(run, r, 1.0)
+        s = Sampling(12, temperature=0.7)
+        r = engine.generate(prompts * 2, s, torch.Generator().manual_seed(0))
+        out["sampled_gap"] = gap(run, r, 0.7)
+        again = engine.generate(prompts * 2, s, torch.Generator().manual_seed(0))
+        out["same_seed_same_rows"] = torch.equal(r.completion_ids, again.completion_ids)
+        out["rows_differ"] = len({tuple(x) for x in r.completion_ids.tolist()}) > 1
+        eos = set(run.tok.eos_ids)
+        out["finished_rows_end_in_eos"] = all(
+            (ids[int(m.sum()) - 1] in eos) == bool(f) for ids, m, f in
+            zip(r.completion_ids.tolist(), r.completion_mask, r.finished.tolist()))
+        with torch.no_grad():  # a new policy: the engine serves the old one until a sync
+            for p in run.model.parameters():
+                p.mul_(1.1).add_(0.02 * torch.randn_like(p))
+        r = engine.generate(prompts, s, torch.Generator().manual_seed(1))
+        out["stale_gap"] = gap(run, r, 0.7)
+        engine.sync(run.model)
+        r = engine.generate(prompts, s, torch.Generator().manual_seed(1))
+        out["synced_gap"] = gap(run, r, 0.7)
+    return out
+
+
+def train_run(root: Path, stale: bool) -> dict:
+    from mini_grpo.engines.vllm import VLLMEngine
+    from mini_grpo.job import train
+
+    if stale:  # the control: the engine keeps the weights of its first sync
+        sync, done = VLLMEngine.sync, []
+
+        def once(self, model):
+            if not done:
+                done.append(1)
+                sync(self, model)
+        VLLMEngine.sync = once
+    lm = tiny_lm_dir(root / "lm", "qwen2", heads=2)
+    out = root / "run"
+    train(tiny(out, init_from=str(lm), rollout_engine="vllm", max_steps=3, lr=3e-3,
+               warmup_steps=0, max_new_tokens=16, block_size=256, eval_every=100,
+               save_every=100, beta=0.0))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in rows if "engine/logp_diff" in m]
+    return {"steps": [m["step"] for m in steps],
+            "logp_diff": [m["engine/logp_diff"] for m in steps],
+            "engine_kl": [m["engine/kl"] for m in steps],
+            "hf": (out / "hf" / "config.json").exists()}
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    if mode == "parity":
+        result = parity(rest[0], Path(rest[1]))
+    else:
+        result = train_run(Path(rest[0]), "--stale" in rest)
+    print("RESULT " + json.dumps(result), flush=True)
