@@ -7,6 +7,7 @@
                      [--generation_amp=off ...]                         # any config field
     mini-grpo rft-generate --checkpoint PATH --output rft.jsonl [--rft_oversample=16 ...]
     mini-grpo export --checkpoint PATH --output DIR [--dtype bfloat16]   # Hugging Face dir
+    mini-grpo vllm-serve --model DIR [--port 8000]  # rollouts for vllm_mode: server (vLLM)
 
 A checkpoint is one of ours (a .pt file) or a local Hugging Face model directory.
 
@@ -37,6 +38,7 @@ def _guarded(fn) -> int:
     that cannot go on (non-finite training, a checkpoint that cannot be written) one line
     and exit 1."""
     from .checkpoint import CheckpointError, CheckpointWriteError
+    from .engines import EngineError
     from .guards import GuardError, NonFiniteError
     from .scoring import RewardError
 
@@ -44,7 +46,7 @@ def _guarded(fn) -> int:
         fn()
     except (ConfigError, CheckpointError, RewardError) as e:
         return _fail(e)
-    except (GuardError, NonFiniteError, CheckpointWriteError) as e:
+    except (GuardError, NonFiniteError, CheckpointWriteError, EngineError) as e:
         return _fail(e, code=1)
     return 0
 
@@ -212,8 +214,19 @@ def export_main(argv: list[str]) -> int:
     return _guarded(run_export)
 
 
+def vllm_serve_main(argv: list[str]) -> int:
+    from .engines.server import serve
+
+    code = [0]
+
+    def run():
+        code[0] = serve(argv)
+    return _guarded(run) or code[0]
+
+
 COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,
-            "rft-generate": rft_generate_main, "export": export_main}
+            "rft-generate": rft_generate_main, "export": export_main,
+            "vllm-serve": vllm_serve_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,8 +102,11 @@ class GRPOConfig:
     # VLLM=1`; Hugging Face models only), its weights synced from the policy in memory
     # whenever an update went through
     rollout_engine: Literal["native", "vllm"] = "native"
-    # colocate: each rank runs its own in-process engine, for its own share of the prompts
-    vllm_mode: Literal["colocate"] = "colocate"
+    # colocate: each rank runs its own in-process engine, for its own share of the prompts;
+    # server: a `mini-grpo vllm-serve` process at vllm_server_url (other GPUs, another node)
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_server_url: str = "http://127.0.0.1:8000"
+    vllm_server_timeout: float = 600.0  # seconds for one request or weight push
     # the engine's weights and KV cache; auto = bfloat16 on a GPU that has it, else float32
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     vllm_gpu_memory_utilization: float = 0.3  # on a GPU: its share for the engine
@@ -206,7 +209,7 @@ class GRPOConfig:
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
-                    "reward_concurrency",
+                    "reward_concurrency", "vllm_server_timeout",
                     "dist_timeout", "guard_patience", "rft_oversample",
                     "rft_prompts_per_batch", "temperature"]
         for name in positive:

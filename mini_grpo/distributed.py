@@ -228,3 +228,30 @@ def cleanup(wait: bool = True) -> None:
         if wait and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+class PairGroup:
+    """A process group of its own, outside the default one: a trainer rank and an engine
+    server that push weights to each other (engines/server.py), on loopback or across nodes.
+    Rank 0 hosts the rendezvous store at host:port. gloo on a CPU, NCCL between GPUs."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int,
+                 device: torch.device, timeout_s: float = 600.0):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                                   timeout=timeout)
+        if device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self.rank, self.device = rank, device
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`t` from rank `src` into every rank's `t`, in place; returns t."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+    def close(self) -> None:
+        self.pg = self.store = None

@@ -7,12 +7,14 @@
                        elastic restart can finish the job)
     --fault=raise:N    the last rank raises at step N
     --nan_steps=A,B    the last rank's loss and gradient are poisoned at those steps
+    --fault=kill:PID:N the last rank kills process PID (a vLLM server) at step N
 
 In-process tests install the same hooks with `installed(...)`.
 """
 
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,8 +27,13 @@ def _last_rank(dist) -> bool:
     return dist.rank == dist.world_size - 1
 
 
-def fault(kind: str, at: int):
+def fault(kind: str, at: int, pid: int = 0):
     def hook(step, dist):
+        if kind == "kill":
+            if step == at and _last_rank(dist):
+                print(f"[fault] killing process {pid} at step {step}", flush=True)
+                os.kill(pid, signal.SIGKILL)
+            return
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if step == at and _last_rank(dist) and first_attempt:
             if kind == "crash":
@@ -52,8 +59,9 @@ def installed(fault_spec: str = "", nan_steps=()):
     """The hooks installed for the duration of the block."""
     added = []
     if fault_spec:
-        kind, _, at = fault_spec.partition(":")
-        added.append((faults.STEP_START, fault(kind, int(at))))
+        kind, *numbers = fault_spec.split(":")
+        pid, at = (int(numbers[0]), int(numbers[1])) if kind == "kill" else (0, int(numbers[0]))
+        added.append((faults.STEP_START, fault(kind, at, pid)))
     if nan_steps:
         added.append((faults.AFTER_BACKWARD, nan_at(nan_steps)))
     for hooks, h in added:

@@ -6,11 +6,15 @@ Skipped where vllm is not installed (`make setup VLLM=1` installs it), except un
 which sets MINI_GRPO_REQUIRE_VLLM=1 so that a broken install fails instead of skipping.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -80,3 +84,71 @@ def test_two_ranks_under_fsdp_each_run_an_engine_synced_every_step(tmp_path):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     diffs = [m["engine/logp_diff"] for m in metrics(out) if "engine/logp_diff" in m]
     assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir):
+    """`mini-grpo vllm-serve` on a free loopback port, until the block ends; yields (url,
+    the process)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mini_grpo", "vllm-serve", "--model",
+                             str(model_dir), "--port", str(port)], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).read()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()[-3000:]
+                assert time.monotonic() < deadline, "vllm-serve did not come up"
+                time.sleep(1)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_server_mode_trains_and_a_dead_server_ends_the_run_resumably(tmp_path):
+    lm = tiny_lm_dir(tmp_path / "lm", "qwen2", heads=2)
+    out = tmp_path / "run"
+    args = ["--config", "tiny", "--mode=grpo", f"--init_from={lm}", "--block_size=256",
+            "--rollout_engine=vllm", "--vllm_mode=server", f"--out_dir={out}", "--max_steps=3",
+            "--save_every=1", "--lr=3e-3", "--warmup_steps=0", "--max_new_tokens=16",
+            "--eval_every=100", "--use_amp=false", "--vllm_server_timeout=60"]
+    with vllm_server(lm) as (url, proc):
+        # the server is killed when step 2 starts: one line naming it, exit 1
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "fault_worker.py"),
+                            f"--fault=kill:{proc.pid}:2", "--", *args,
+                            f"--vllm_server_url={url}"], capture_output=True, text=True,
+                           cwd=ROOT, env=clean_env(), timeout=600)
+        assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-3000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert url in last and "vLLM server" in last, last
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001.pt"]
+    with vllm_server(lm) as (url, _):  # another server: the run resumes from step 1
+        r = entry(*args, f"--vllm_server_url={url}", timeout=600)
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    rows = [m for m in metrics(out) if "engine/logp_diff" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    # the weights pushed each step are the policy's: vLLM's log-probs equal its own
+    assert max(m["engine/logp_diff"] for m in rows) < 1e-4, rows
+
+
+def test_an_unreachable_server_is_refused_at_start(tmp_path):
+    lm = tiny_lm_dir(tmp_path / "lm", "qwen2", heads=2)
+    url = f"http://127.0.0.1:{_free_port()}"
+    r = entry("--config", "tiny", "--mode=grpo", f"--init_from={lm}", "--block_size=256",
+              "--rollout_engine=vllm", "--vllm_mode=server", f"--vllm_server_url={url}",
+              f"--out_dir={tmp_path / 'run'}")
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: vllm_server_url: no answer "
+                                                        f"from the vLLM server at {url}")

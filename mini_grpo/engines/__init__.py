@@ -14,8 +14,10 @@ runs; it calls `sync` whenever an update (or a restore) changed the policy's wei
 - native (native.py): our batched, KV-cached sampler on the policy itself; `sync` has nothing
   to do. Its log-probs are log_softmax(logits / temperature), before top-k/top-p.
 - vllm (vllm.py): an in-process vLLM engine on each rank (`vllm_mode: colocate`), its weights
-  sent from the policy's in memory. Its log-probs are those of the distribution vLLM sampled
-  from (temperature, then top-k/top-p renormalised): with neither, the same quantity.
+  sent from the policy's in memory; or (client.py, `vllm_mode: server`) a `mini-grpo
+  vllm-serve` process (server.py) that every rank sends prompts to and rank 0 pushes weights
+  into. Its log-probs are those of the distribution vLLM sampled from (temperature, then
+  top-k/top-p renormalised): with neither, the same quantity.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from typing import Protocol
 import torch
 
 from ..rollout import Rollout
+
+
+class EngineError(RuntimeError):
+    """An engine that failed mid-run (a server gone): the run ends with one line, exit 1."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,10 @@ def make_engine(run, max_len: int | None = None) -> Engine:
     prompt + completion it must hold (default: the model's block size). A model the engine
     cannot serve is a ConfigError here, at the start, not in the first step."""
     cfg = run.cfg
+    if cfg.rollout_engine == "vllm" and cfg.vllm_mode == "server":
+        from .client import ServerEngine
+
+        return ServerEngine(run)
     if cfg.rollout_engine == "vllm":
         from .vllm import VLLMEngine
 

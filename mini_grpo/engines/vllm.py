@@ -77,43 +77,128 @@ def kv_cache_bytes(model, rows: int, max_len: int, dtype: torch.dtype) -> int:
     return max(MIN_KV_BYTES, int(rows * (max_len + 16) * per_token * 1.25))
 
 
+def check_servable(tok) -> None:
+    """vLLM serves Hugging Face models: a ConfigError for our character-level GPT."""
+    if not isinstance(tok, HFTokenizer):
+        raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
+                          "to a model directory (this run's policy is our character-level "
+                          "GPT, whose tokenizer vLLM cannot load)")
+
+
+def engine_config(model, dtype: torch.dtype) -> dict:
+    """config.json for the engine: the model's, in `dtype`, its LM head untied (vLLM 0.32's
+    in-place reload leaves a tied head on its old weights, so the engine holds the head as a
+    weight of its own, sent like any other)."""
+    return {**export_config(model, dtype), "tie_word_embeddings": False}
+
+
+def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, seed: int,
+              max_len: int | None, load_format: str = "dummy", kv_bytes: int = 0,
+              gpu_memory_utilization: float = 0.9, external_launcher: bool = False):
+    """vllm.LLM for `model_dir` (token ids in and out: no tokenizer loaded), asked for one
+    token before it is returned, so that a model vLLM cannot run fails here."""
+    kw = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}
+    if external_launcher:
+        kw["distributed_executor_backend"] = "external_launcher"
+    llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, load_format=load_format,
+                   dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_len,
+                   logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                   enforce_eager=device.type == "cpu",
+                   gpu_memory_utilization=gpu_memory_utilization, **kw)
+    try:
+        llm.generate([{"prompt_token_ids": [0]}],
+                     vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+    except BaseException:
+        shutdown(llm)
+        raise
+    return llm
+
+
+def sampling_options(sampling, eos_ids: list[int]) -> dict:
+    """SamplingParams' keywords for our Sampling (JSON, for the server too); a seed per row
+    is added by `complete`."""
+    return {"temperature": 0.0 if sampling.greedy else sampling.temperature,
+            "top_k": sampling.top_k or -1, "top_p": sampling.top_p,
+            "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(eos_ids),
+            "logprobs": 0, "detokenize": False}
+
+
+def complete(llm, SamplingParams, prompts: list[list[int]], options: dict, seeds: list[int]):
+    """One request per row -> (token ids, their log-probs) per row."""
+    params = [SamplingParams(**options, seed=int(s)) for s in seeds]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[d[t].logprob for t, d in zip(ts, o.outputs[0].logprobs)]
+           for ts, o in zip(toks, outs)]
+    return toks, lps
+
+
+def row_seeds(n: int, generator) -> list[int]:
+    """A seed per row from the run's sampling RNG: the same config gives the same run."""
+    device = generator.device if generator is not None else "cpu"
+    return torch.randint(2**31 - 1, (n,), generator=generator, device=device).tolist()
+
+
+def to_rollout(tok, prompts: list[list[int]], toks: list[list[int]], lps: list[list[float]],
+               device) -> Rollout:
+    """An engine's token ids and log-probs per row -> Rollout (texts by our tokenizer)."""
+    B, pad, eos = len(prompts), tok.pad_id, set(tok.eos_ids)
+    N = max(1, max(len(t) for t in toks))
+    ids = torch.full((B, N), pad, dtype=torch.long)
+    mask = torch.zeros((B, N), dtype=torch.bool)
+    lp = torch.zeros((B, N), dtype=torch.float32)
+    finished = torch.zeros(B, dtype=torch.bool)
+    for i, (t, l) in enumerate(zip(toks, lps)):
+        if len(t) != len(l) or len(t) > N:
+            raise ValueError(f"row {i}: {len(t)} tokens but {len(l)} log-probs")
+        ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        mask[i, :len(t)] = True
+        lp[i, :len(t)] = torch.tensor(l, dtype=torch.float32)
+        finished[i] = bool(t) and t[-1] in eos
+    pids, pmask = pad_left(prompts, pad, device)
+    r = Rollout(pids, pmask, ids.to(device), mask.to(device), lp.to(device),
+                finished.to(device), nonfinite=~torch.isfinite(lp).all().to(device))
+    r.texts = [tok.decode(row) for row in ids.tolist()]
+    return r
+
+
+def reload(llm, weights) -> None:
+    """Every weight from `weights` ((Hugging Face name, tensor), consumed one at a time) into
+    the engine, in place; then the prefix cache is cleared, since prompt keys and values
+    computed with the old weights must not serve the new ones."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                 "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+
+
+def shutdown(llm) -> None:
+    """Shuts an engine down now, not at exit: its teardown destroys the default process group
+    (vLLM's, or under torchrun ours), which must happen before distributed.cleanup looks at
+    it (Run.close closes the engine first)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 class VLLMEngine:
     name = "vllm"
 
     def __init__(self, run, max_len: int | None = None):
         cfg, model, tok = run.cfg, run.model, run.tok
-        if not isinstance(tok, HFTokenizer):
-            raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
-                              "to a model directory (this run's policy is our character-level "
-                              "GPT, whose tokenizer vLLM cannot load)")
+        check_servable(tok)
         vllm = import_vllm()
-        self.tok, self.device = tok, run.device
+        self.tok, self.device, self.llm = tok, run.device, None
         self.dtype = engine_dtype(cfg.vllm_dtype, run.device)
         self.SamplingParams = vllm.SamplingParams
         max_len = max_len or model.cfg.block_size
         rows = -(-cfg.prompts_per_step // run.dist.world_size) * cfg.group_size
+        kv = int(cfg.vllm_kv_cache_gib * 2**30) if cfg.vllm_kv_cache_gib else \
+            kv_cache_bytes(model, rows, max_len, self.dtype) if run.device.type == "cpu" else 0
         self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_"))
-        # untied: vLLM 0.32's in-place reload leaves a tied head on its old weights, so the
-        # engine holds the head as a weight of its own, sent like any other
-        config = {**export_config(model, self.dtype), "tie_word_embeddings": False}
-        (self.dir / "config.json").write_text(json.dumps(config))
-        kw = {}
-        if cfg.vllm_kv_cache_gib:
-            kw["kv_cache_memory_bytes"] = int(cfg.vllm_kv_cache_gib * 2**30)
-        elif run.device.type == "cpu":  # on a CPU, gpu_memory_utilization is a share of RAM
-            kw["kv_cache_memory_bytes"] = kv_cache_bytes(model, rows, max_len, self.dtype)
-        if run.dist.world_size > 1:
-            kw["distributed_executor_backend"] = "external_launcher"
+        (self.dir / "config.json").write_text(json.dumps(engine_config(model, self.dtype)))
         try:
-            self.llm = vllm.LLM(
-                model=str(self.dir), skip_tokenizer_init=True, load_format="dummy",
-                dtype=str(self.dtype).removeprefix("torch."), seed=cfg.seed + run.dist.rank,
-                max_model_len=max_len, logprobs_mode="processed_logprobs",
-                enable_prefix_caching=True, enforce_eager=run.device.type == "cpu",
-                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, **kw)
-            self.llm.generate([{"prompt_token_ids": [tok.eos_id]}],
-                              self.SamplingParams(max_tokens=1, detokenize=False),
-                              use_tqdm=False)
+            self.llm = build_llm(vllm, self.dir, self.dtype, run.device, cfg.seed + run.dist.rank,
+                                 max_len, kv_bytes=kv,
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                                 external_launcher=run.dist.world_size > 1)
         except Exception as e:
             self.close()
             raise ConfigError(f"rollout_engine: vllm cannot serve this model "
@@ -122,51 +207,18 @@ class VLLMEngine:
 
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
         enc = [self.tok.encode_prompt(p) for p in prompts]
-        seeds = torch.randint(2**31 - 1, (len(enc),), generator=generator,
-                              device=generator.device if generator is not None else "cpu")
-        params = [self.SamplingParams(
-            temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_k=sampling.top_k or -1, top_p=sampling.top_p,
-            max_tokens=sampling.max_new_tokens, stop_token_ids=list(self.tok.eos_ids),
-            logprobs=0, detokenize=False, seed=int(s)) for s in seeds.tolist()]
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], params,
-                                 use_tqdm=False)
-        return self._rollout(enc, [o.outputs[0] for o in outs])
-
-    def _rollout(self, enc: list[list[int]], outs) -> Rollout:
-        B, pad, eos = len(enc), self.tok.pad_id, set(self.tok.eos_ids)
-        N = max(1, max(len(o.token_ids) for o in outs))
-        ids = torch.full((B, N), pad, dtype=torch.long)
-        mask = torch.zeros((B, N), dtype=torch.bool)
-        lp = torch.zeros((B, N), dtype=torch.float32)
-        finished = torch.zeros(B, dtype=torch.bool)
-        for i, o in enumerate(outs):
-            toks = list(o.token_ids)
-            n = len(toks)
-            ids[i, :n] = torch.tensor(toks, dtype=torch.long)
-            mask[i, :n] = True
-            lp[i, :n] = torch.tensor([d[t].logprob for t, d in zip(toks, o.logprobs)])
-            finished[i] = n > 0 and toks[-1] in eos
-        pids, pmask = pad_left(enc, pad, self.device)
-        r = Rollout(pids, pmask, ids.to(self.device), mask.to(self.device),
-                    lp.to(self.device), finished.to(self.device),
-                    nonfinite=~torch.isfinite(lp).all().to(self.device))
-        r.texts = [self.tok.decode(row) for row in ids.tolist()]
-        return r
+        toks, lps = complete(self.llm, self.SamplingParams, enc,
+                             sampling_options(sampling, self.tok.eos_ids),
+                             row_seeds(len(enc), generator))
+        return to_rollout(self.tok, enc, toks, lps, self.device)
 
     def sync(self, model) -> None:
-        weights = hf_tensors(model, fsdp.full_tensors(model), self.dtype, head=True)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                          "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        reload(self.llm, hf_tensors(model, fsdp.full_tensors(model), self.dtype, head=True))
 
     def close(self) -> None:
-        """Shuts the engine down now, not at exit: its teardown destroys the default process
-        group (vLLM's, or under torchrun ours), which must happen before distributed.cleanup
-        looks at it (Run.close closes the engine first)."""
-        llm, self.llm = getattr(self, "llm", None), None
+        llm, self.llm = self.llm, None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown(llm)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -1,0 +1,165 @@
+"""`vllm_mode: server`: rollouts from a `mini-grpo vllm-serve` process (engines/server.py).
+
+Every rank sends its own prompts (HTTP, JSON) and gets token ids and log-probs back. Weights
+go once per change, never through disk: rank 0 opens a pair group with the server
+(distributed.PairGroup: gloo, or NCCL when both ends are on GPUs) and broadcasts each weight
+in Hugging Face names and the server's dtype, announced by a POST /update_weights it sends
+from a thread while it broadcasts. Under fsdp every rank gathers each weight as it is sent
+(a collective); under ddp only rank 0 reads its replica. The other ranks wait at a barrier,
+so no rank samples from the old weights.
+
+The server's model is compared with the policy at start (the shapes in its config.json); an
+unreachable server is a ConfigError then, and one that fails or dies mid-run an EngineError
+(exit 1, one line naming the URL): the last checkpoint is intact and the run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import torch
+
+from .. import distributed as D
+from .. import fsdp
+from ..fields import ConfigError
+from ..models.hf import hf_tensors
+from ..rollout import Rollout
+from . import EngineError
+from .vllm import check_servable, engine_config, row_seeds, sampling_options, to_rollout
+
+# what must agree between the policy and the server's model
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
+              "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
+              "intermediate_size", "n_inner", "head_dim")
+
+
+class ServerEngine:
+    name = "vllm"
+
+    def __init__(self, run):
+        cfg = run.cfg
+        check_servable(run.tok)
+        self.url, self.timeout = cfg.vllm_server_url.rstrip("/"), cfg.vllm_server_timeout
+        self.tok, self.device, self.rank = run.tok, run.device, run.dist.rank
+        self.group = None
+        try:
+            info = self._call("GET", "/health")
+        except EngineError as e:
+            raise ConfigError(f"vllm_server_url: {e} (start one with `mini-grpo vllm-serve "
+                              f"--model DIR`)") from None
+        ours = engine_config(run.model, torch.float32)
+        for key in SHAPE_KEYS:
+            if ours.get(key) != info["config"].get(key):
+                raise ConfigError(f"vllm_server_url: the server at {self.url} serves another "
+                                  f"model ({key} {info['config'].get(key)!r}, the policy's "
+                                  f"{ours.get(key)!r})")
+        self.dtype = getattr(torch, info["dtype"])
+        self.nccl = info["device"] == "cuda" and run.device.type == "cuda"
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            try:
+                reason = json.loads(e.read()).get("error", e.reason)
+            except (ValueError, AttributeError):
+                reason = e.reason
+            raise EngineError(f"the vLLM server at {self.url} refused {path}: {reason}") \
+                from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise EngineError(f"no answer from the vLLM server at {self.url} ({path}): "
+                              f"{reason}") from None
+
+    def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
+        enc = [self.tok.encode_prompt(p) for p in prompts]
+        out = self._call("POST", "/generate", {
+            "prompts": enc, "options": sampling_options(sampling, self.tok.eos_ids),
+            "seeds": row_seeds(len(enc), generator)})
+        try:
+            return to_rollout(self.tok, enc, out["token_ids"], out["logprobs"], self.device)
+        except (KeyError, TypeError, ValueError) as e:
+            raise EngineError(f"the vLLM server at {self.url} sent a bad rollout: {e}") \
+                from None
+
+    def sync(self, model) -> None:
+        if self.rank == 0:
+            self._push(model)
+        elif fsdp.is_sharded(model):  # the gathers are collectives: every rank takes part
+            for _ in fsdp.full_tensors(model):
+                pass
+        D.barrier()  # no rank samples before the server has the new weights
+
+    def _push(self, model) -> None:
+        if self.group is None:
+            host, port = _reachable_address(self.url), _free_port()
+            device = self.device if self.nccl else torch.device("cpu")
+            self._call("POST", "/init_weights", {"host": host, "port": port,
+                                                 "device": device.type})
+            self.group = D.PairGroup(host, port, 0, 2, device, self.timeout)
+        device = self.group.device
+        shapes = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                  for n, t in model.state_dict().items())
+        specs = [[name, list(t.shape), str(self.dtype).removeprefix("torch.")]
+                 for name, t in hf_tensors(model, shapes, self.dtype, head=True)]
+        reply: dict = {}
+
+        def announce():
+            try:
+                reply["out"] = self._call("POST", "/update_weights", {"tensors": specs})
+            except EngineError as e:
+                reply["error"] = e
+        thread = threading.Thread(target=announce, daemon=True)
+        thread.start()
+        try:
+            for _, t in hf_tensors(model, fsdp.full_tensors(model), self.dtype, head=True):
+                self.group.broadcast(t.to(device).contiguous(), src=0)
+        except RuntimeError as e:  # the server died mid-transfer
+            raise EngineError(f"weights to the vLLM server at {self.url} failed: "
+                              f"{_gist(e)}") from None
+        thread.join(self.timeout)
+        if "error" in reply:
+            raise reply["error"]
+        if "out" not in reply:
+            raise EngineError(f"the vLLM server at {self.url} did not confirm the weights in "
+                              f"{self.timeout:g} s")
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self._call("POST", "/close_weights", {})
+            except EngineError:
+                pass  # the run is ending; a server that is gone has nothing to close
+            self.group.close()
+            self.group = None
+
+
+def _gist(e: BaseException) -> str:
+    """gloo's message without its source location and advice: "Read error [host]:port:
+    Connection reset by peer"."""
+    line = (str(e).splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*\] ", "", line).split(". ")[0]
+
+
+def _reachable_address(url: str) -> str:
+    """This machine's address on the route to the server (loopback for a local one)."""
+    host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+        return s.getsockname()[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,262 @@
+"""`mini-grpo vllm-serve`: a vLLM engine in a process of its own, on other GPUs or another
+node, that trainer ranks send prompts to and push weights into (`vllm_mode: server`,
+engines/client.py).
+
+    mini-grpo vllm-serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype auto]
+                         [--max_model_len N] [--gpu_memory_utilization 0.9] [--kv_cache_gib 0]
+
+DIR gives the model's config.json only: the engine starts with dummy weights and serves the
+trainer's, which the trainer pushes before its first rollout and after every update. HTTP
+with JSON bodies (the standard library's server, one request at a time: the engine is not
+thread-safe, and the requests of several ranks queue):
+
+    GET  /health          {"config": the engine's config.json, "dtype", "device", "max_model_len"}
+    POST /generate        {"prompts": [[ids]], "options": SamplingParams keywords, "seeds": [..]}
+                          -> {"token_ids": [[..]], "logprobs": [[..]]}
+    POST /init_weights    {"host", "port"}: join the trainer's pair group (distributed.PairGroup,
+                          rank 1 of 2: gloo, or NCCL when both ends are on GPUs); returns at
+                          once, the join completes when the trainer joins
+    POST /update_weights  {"tensors": [[name, shape, dtype], ..]}: each received by broadcast
+                          from the trainer, in that order, into reload_weights -> {"seconds"}
+    POST /close_weights   leaves the pair group
+
+A bad request is answered 400 with {"error": one line}; the server goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import torch
+
+from .. import distributed as D
+from ..fields import ConfigError
+from ..jsonio import check_tree
+from ..models.hf import hf_spec, read_config
+from .vllm import (
+    _summary,
+    build_llm,
+    complete,
+    engine_config,
+    engine_dtype,
+    import_vllm,
+    reload,
+    shutdown,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_BODY = 1 << 30  # a generate request of 1 GiB of JSON is more than any step sends
+MAX_NUMEL = 1 << 36  # per tensor
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class Server:
+    def __init__(self, args):
+        vllm = import_vllm()
+        self.SamplingParams = vllm.SamplingParams
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        config = read_config(args.model)  # checked as init_from's is
+        model = _shape_only(config)
+        self.dtype = engine_dtype(args.dtype, self.device)
+        self.config = engine_config(model, self.dtype)
+        self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_serve_"))
+        (self.dir / "config.json").write_text(json.dumps(self.config))
+        self.max_len = args.max_model_len or model.cfg.block_size
+        kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else \
+            (1 << 30 if self.device.type == "cpu" else 0)
+        try:
+            self.llm = build_llm(vllm, self.dir, self.dtype, self.device, args.seed,
+                                 self.max_len, kv_bytes=kv,
+                                 gpu_memory_utilization=args.gpu_memory_utilization)
+        except Exception as e:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise ConfigError(f"vllm-serve: vLLM cannot serve {args.model}: "
+                              f"{_summary(e)}") from None
+        self.group, self.joining = None, None
+
+    # ---- the endpoints
+    def health(self, _body) -> dict:
+        return {"config": self.config, "dtype": str(self.dtype).removeprefix("torch."),
+                "device": self.device.type, "max_model_len": self.max_len}
+
+    def generate(self, body) -> dict:
+        prompts, options, seeds = body.get("prompts"), body.get("options"), body.get("seeds")
+        if not (isinstance(prompts, list) and prompts and all(
+                isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompts)):
+            raise BadRequest("prompts: must be a non-empty list of non-empty token id lists")
+        if not isinstance(options, dict) or not isinstance(seeds, list) or \
+                len(seeds) != len(prompts) or not all(type(s) is int for s in seeds):
+            raise BadRequest("options must be a mapping and seeds one integer per prompt")
+        try:
+            toks, lps = complete(self.llm, self.SamplingParams, prompts, options, seeds)
+        except (TypeError, ValueError) as e:  # options vLLM refuses, a prompt too long
+            raise BadRequest(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        return {"token_ids": toks, "logprobs": lps}
+
+    def init_weights(self, body) -> dict:
+        host, port = body.get("host"), body.get("port")
+        if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536:
+            raise BadRequest("init_weights: needs host (a string) and port (1..65535)")
+        self.close_weights(None)
+        backend_device = torch.device(body.get("device", "cpu"))
+        device = self.device if backend_device.type == "cuda" == self.device.type else \
+            torch.device("cpu")
+
+        def join():
+            self.group = D.PairGroup(host, port, 1, 2, device)
+        self.joining = threading.Thread(target=join, daemon=True)
+        self.joining.start()
+        return {}
+
+    def update_weights(self, body) -> dict:
+        specs = body.get("tensors")
+        if not isinstance(specs, list) or not specs:
+            raise BadRequest("update_weights: tensors must be a non-empty list")
+        for spec in specs:
+            if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
+                    and isinstance(spec[1], list) and all(type(n) is int and n >= 0
+                                                          for n in spec[1])
+                    and spec[2] in DTYPES and _numel(spec[1]) <= MAX_NUMEL):
+                raise BadRequest(f"update_weights: bad tensor spec {str(spec)[:200]}")
+        if self.joining is not None:
+            self.joining.join()
+            self.joining = None
+        if self.group is None:
+            raise BadRequest("update_weights: no pair group (POST /init_weights first)")
+        t0 = time.perf_counter()
+        device = self.group.device
+
+        def received():
+            for name, shape, dtype in specs:
+                t = torch.empty(shape, dtype=DTYPES[dtype], device=device)
+                yield name, self.group.broadcast(t, src=0).to(self.dtype)
+        reload(self.llm, received())
+        return {"seconds": time.perf_counter() - t0}
+
+    def close_weights(self, _body) -> dict:
+        if self.joining is not None:
+            self.joining.join(timeout=1)
+        if self.group is not None:
+            self.group.close()
+        self.group, self.joining = None, None
+        return {}
+
+    def close(self) -> None:
+        self.close_weights(None)
+        shutdown(self.llm)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    check_tree(body, "request")
+    return body
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _shape_only(config: dict):
+    """Our model for `config` on the meta device: its shapes and names, no memory."""
+    from ..models import build
+
+    with torch.device("meta"):
+        model = build(hf_spec(config))
+    model.hf_config = config
+    return model
+
+
+def handler(server: Server, lock: threading.Lock):
+    routes = {("GET", "/health"): server.health, ("POST", "/generate"): server.generate,
+              ("POST", "/init_weights"): server.init_weights,
+              ("POST", "/update_weights"): server.update_weights,
+              ("POST", "/close_weights"): server.close_weights}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self, method: str):
+            fn = routes.get((method, self.path))
+            if fn is None:
+                return self._reply(404, {"error": f"no {method} {self.path}"})
+            try:
+                body = {}
+                if method == "POST":
+                    n = int(self.headers.get("Content-Length") or 0)
+                    if n > MAX_BODY:
+                        raise BadRequest(f"body of {n} bytes (at most {MAX_BODY})")
+                    body = _json(self.rfile.read(n)) if n else {}
+                with lock:
+                    out = fn(body)
+            except (BadRequest, ValueError) as e:
+                return self._reply(400, {"error": str(e).splitlines()[0] if str(e) else
+                                         type(e).__name__})
+            self._reply(200, out)
+
+        def _reply(self, code: int, obj: dict):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._serve("GET")
+
+        def do_POST(self):
+            self._serve("POST")
+
+        def log_message(self, *args):  # one line per request is noise at a step's pace
+            pass
+
+    return Handler
+
+
+def parse_args(argv: list[str]):
+    ap = argparse.ArgumentParser(prog="mini-grpo vllm-serve", description=__doc__.split(
+        "\n\n")[0])
+    ap.add_argument("--model", required=True, help="a Hugging Face model directory")
+    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other nodes")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    ap.add_argument("--max_model_len", type=int, default=0,
+                    help="longest prompt + completion (0: the model's)")
+    ap.add_argument("--gpu_memory_utilization", type=float, default=0.9)
+    ap.add_argument("--kv_cache_gib", type=float, default=0.0,
+                    help="KV cache GiB (0: from the share on a GPU, 1 GiB on a CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def serve(argv: list[str]) -> int:
+    args = parse_args(argv)
+    server = Server(args)
+    http = HTTPServer((args.host, args.port), handler(server, threading.Lock()))
+    print(f"[mini-grpo] vllm-serve: {args.model} ({server.dtype}, {server.device.type}) on "
+          f"http://{args.host}:{http.server_port}", flush=True)
+    try:
+        http.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        http.server_close()
+        server.close()
+    return 0
