@@ -36,9 +36,7 @@ def worker(*args) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_vllm_samples_what_the_policy_would(family, tmp_path):
-    out = worker("parity", family, tmp_path)
+def check_parity(out: dict) -> None:
     # before the first sync the engine holds vLLM's dummy weights: the check can fail
     assert out["dummy_gap"] > 1e-2
     # greedy: the same tokens, masks, finished flags and texts as our own sampler
@@ -49,6 +47,18 @@ def test_vllm_samples_what_the_policy_would(family, tmp_path):
     assert out["finished_rows_end_in_eos"]
     # new weights: stale until sync, the policy's again after it
     assert out["stale_gap"] > 1e-2 and out["synced_gap"] < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_vllm_samples_what_the_policy_would(family, tmp_path):
+    check_parity(worker("parity", family, tmp_path))
+
+
+def test_the_sync_covers_qwen3_norms_and_gpt2s_transposed_weights(tmp_path):
+    # Qwen3's per-head q/k norms and GPT-2's Conv1D layout (transposed on the way out),
+    # both families in one process, one engine after the other
+    for out in worker("parity", "qwen3,gpt2", tmp_path).values():
+        check_parity(out)
 
 
 def test_grpo_with_vllm_serves_each_steps_weights(tmp_path):

@@ -2,6 +2,7 @@
 process group, thread binding), printing one JSON line for tests/test_vllm.py:
 
     python tests/vllm_worker.py parity qwen2 DIR   # greedy and log-probs against ours, sync
+    python tests/vllm_worker.py parity qwen3,gpt2 DIR   # each in turn: {family: result}
     python tests/vllm_worker.py train DIR [--stale] # 3 GRPO steps; --stale: sync only once
 """
 
@@ -94,7 +95,9 @@ def train_run(root: Path, stale: bool) -> dict:
 
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    if mode == "parity":
+    if mode == "parity" and "," in rest[0]:
+        result = {f: parity(f, Path(rest[1]) / f) for f in rest[0].split(",")}
+    elif mode == "parity":
         result = parity(rest[0], Path(rest[1]))
     else:
         result = train_run(Path(rest[0]), "--stale" in rest)
