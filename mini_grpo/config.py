@@ -110,6 +110,9 @@ class GRPOConfig:
     # the engine's weights and KV cache; auto = bfloat16 on a GPU that has it, else float32
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     vllm_gpu_memory_utilization: float = 0.3  # on a GPU: its share for the engine
+    # colocate on GPUs: between rollouts the engine sleeps (its weights moved to CPU memory,
+    # its KV cache freed), so the policy update gets the GPU memory back
+    vllm_sleep: bool = False
     # KV-cache GiB per engine; 0 = on a GPU from vllm_gpu_memory_utilization, on a CPU what
     # one step's rows need
     vllm_kv_cache_gib: float = 0.0

@@ -74,7 +74,9 @@ def test_bare_name_is_looked_up_in_configs():
                                                   "init_from"]),
     ("", ["--vllm_gpu_memory_utilization=0"], {}, ["vllm_gpu_memory_utilization: must be in"]),
     ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be >= 0"]),
-    ("", ["--vllm_mode=server"], {}, ["vllm_mode", "colocate"]),
+    ("", ["--vllm_mode=nowhere"], {}, ["vllm_mode", "colocate", "server"]),
+    ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true"], {},
+     ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, yaml_text, args, env, expected):
     cfg_file = tmp_path / "bad.yaml"

@@ -22,45 +22,9 @@ runs; it calls `sync` whenever an update (or a restore) changed the policy's wei
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Protocol
+from .base import Engine, EngineError, Sampling
 
-import torch
-
-from ..rollout import Rollout
-
-
-class EngineError(RuntimeError):
-    """An engine that failed mid-run (a server gone): the run ends with one line, exit 1."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How to sample, the same for every engine."""
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    greedy: bool = False
-
-
-class Engine(Protocol):
-    name: str
-
-    def generate(self, prompts: list, sampling: Sampling,
-                 generator: torch.Generator | None = None,
-                 autocast: AbstractContextManager | None = None) -> Rollout:
-        """Completions of `prompts` (one row each). `generator` seeds the sampling; `autocast`:
-        the precision our own forward passes run in (engines with their own ignore it)."""
-        ...
-
-    def sync(self, model: torch.nn.Module) -> None:
-        """Serve `model`'s current weights from now on (a collective under fsdp)."""
-        ...
-
-    def close(self) -> None:
-        ...
+__all__ = ["Engine", "EngineError", "Sampling", "make_engine"]
 
 
 def make_engine(run, max_len: int | None = None) -> Engine:

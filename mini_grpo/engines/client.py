@@ -30,7 +30,7 @@ from .. import fsdp
 from ..fields import ConfigError
 from ..models.hf import hf_tensors
 from ..rollout import Rollout
-from . import EngineError
+from .base import EngineError
 from .vllm import check_servable, engine_config, row_seeds, sampling_options, to_rollout
 
 # what must agree between the policy and the server's model

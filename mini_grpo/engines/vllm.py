@@ -94,12 +94,15 @@ def engine_config(model, dtype: torch.dtype) -> dict:
 
 def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, seed: int,
               max_len: int | None, load_format: str = "dummy", kv_bytes: int = 0,
-              gpu_memory_utilization: float = 0.9, external_launcher: bool = False):
+              gpu_memory_utilization: float = 0.9, external_launcher: bool = False,
+              sleep: bool = False):
     """vllm.LLM for `model_dir` (token ids in and out: no tokenizer loaded), asked for one
     token before it is returned, so that a model vLLM cannot run fails here."""
     kw = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}
     if external_launcher:
         kw["distributed_executor_backend"] = "external_launcher"
+    if sleep:
+        kw["enable_sleep_mode"] = True
     llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, load_format=load_format,
                    dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_len,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=True,
@@ -183,9 +186,13 @@ class VLLMEngine:
 
     def __init__(self, run, max_len: int | None = None):
         cfg, model, tok = run.cfg, run.model, run.tok
+        if cfg.vllm_sleep and run.device.type != "cuda":
+            raise ConfigError("vllm_sleep: sleep mode gives GPU memory back between rollouts; "
+                              "it needs a GPU (this run is on the CPU)")
         check_servable(tok)
         vllm = import_vllm()
         self.tok, self.device, self.llm = tok, run.device, None
+        self.sleep, self.asleep = cfg.vllm_sleep, False
         self.dtype = engine_dtype(cfg.vllm_dtype, run.device)
         self.SamplingParams = vllm.SamplingParams
         max_len = max_len or model.cfg.block_size
@@ -198,7 +205,8 @@ class VLLMEngine:
             self.llm = build_llm(vllm, self.dir, self.dtype, run.device, cfg.seed + run.dist.rank,
                                  max_len, kv_bytes=kv,
                                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                                 external_launcher=run.dist.world_size > 1)
+                                 external_launcher=run.dist.world_size > 1,
+                                 sleep=self.sleep)
         except Exception as e:
             self.close()
             raise ConfigError(f"rollout_engine: vllm cannot serve this model "
@@ -207,13 +215,23 @@ class VLLMEngine:
 
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
         enc = [self.tok.encode_prompt(p) for p in prompts]
+        self._wake()
         toks, lps = complete(self.llm, self.SamplingParams, enc,
                              sampling_options(sampling, self.tok.eos_ids),
                              row_seeds(len(enc), generator))
+        if self.sleep:  # level 1: weights to CPU memory, KV cache freed, until the next wake
+            self.llm.sleep(level=1)
+            self.asleep = True
         return to_rollout(self.tok, enc, toks, lps, self.device)
 
     def sync(self, model) -> None:
+        self._wake()  # the rollout follows at once: it stays awake
         reload(self.llm, hf_tensors(model, fsdp.full_tensors(model), self.dtype, head=True))
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         llm, self.llm = self.llm, None
