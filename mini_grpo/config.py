@@ -110,6 +110,9 @@ class GRPOConfig:
     # the engine's weights and KV cache; auto = bfloat16 on a GPU that has it, else float32
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     vllm_gpu_memory_utilization: float = 0.3  # on a GPU: its share for the engine
+    # colocate: ranks per engine (consecutive ranks share one, each holding 1/N of it, and
+    # sample their prompts together); must divide the number of processes
+    vllm_tensor_parallel_size: int = 1
     # colocate on GPUs: between rollouts the engine sleeps (its weights moved to CPU memory,
     # its KV cache freed), so the policy update gets the GPU memory back
     vllm_sleep: bool = False
@@ -212,7 +215,7 @@ class GRPOConfig:
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
-                    "reward_concurrency", "vllm_server_timeout",
+                    "reward_concurrency", "vllm_server_timeout", "vllm_tensor_parallel_size",
                     "dist_timeout", "guard_patience", "rft_oversample",
                     "rft_prompts_per_batch", "temperature"]
         for name in positive:

@@ -197,13 +197,26 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device):
     return net, comm
 
 
-def all_gather_object(obj) -> list:
-    """[obj of rank 0, obj of rank 1, ...]; [obj] when alone."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def all_gather_object(obj, group=None) -> list:
+    """[obj of rank 0, obj of rank 1, ...] (of `group`'s ranks, else all); [obj] when alone."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def consecutive_groups(size: int):
+    """This rank's group of `size` consecutive ranks (0..size-1, size..2 size-1, ...), e.g.
+    the ranks that share one tensor-parallel engine; every rank must call it. None: alone."""
+    if size <= 1 or not dist.is_initialized():
+        return None
+    group, _ = dist.new_subgroups(group_size=size)
+    return group
 
 
 def is_main() -> bool:

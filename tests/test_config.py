@@ -75,6 +75,7 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--vllm_gpu_memory_utilization=0"], {}, ["vllm_gpu_memory_utilization: must be in"]),
     ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be >= 0"]),
     ("", ["--vllm_mode=nowhere"], {}, ["vllm_mode", "colocate", "server"]),
+    ("", ["--vllm_tensor_parallel_size=0"], {}, ["vllm_tensor_parallel_size: must be > 0"]),
     ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true"], {},
      ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])

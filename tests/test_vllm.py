@@ -83,12 +83,16 @@ def test_a_model_vllm_cannot_serve_is_refused_at_start(tmp_path):
     assert not metrics.exists() or metrics.read_text() == ""  # no step, no evaluation ran
 
 
-def test_two_ranks_under_fsdp_each_run_an_engine_synced_every_step(tmp_path):
-    # each rank's engine gets every weight gathered one tensor at a time from the shards
+def test_two_ranks_under_fsdp_share_a_tensor_parallel_engine_synced_every_step(tmp_path):
+    # both ranks hold half of one engine (vllm_tensor_parallel_size 2) and sample their
+    # prompts together, each keeping its own rows; every weight is gathered one tensor at a
+    # time from the fsdp shards. Rows paired with another rank's prompts, or weights that
+    # missed an update, would put vLLM's log-probs far from the policy's
     lm = tiny_lm_dir(tmp_path / "lm", "qwen2", heads=2)
     out = tmp_path / "run"
     r = torchrun("distributed_train.py", "--config", "tiny", "--mode=grpo", f"--init_from={lm}",
                  "--block_size=256", "--rollout_engine=vllm", "--parallelism=fsdp",
+                 "--vllm_tensor_parallel_size=2",
                  f"--out_dir={out}", "--max_steps=3", "--lr=3e-3", "--warmup_steps=0",
                  "--max_new_tokens=16", "--eval_every=100", "--use_amp=false", timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])

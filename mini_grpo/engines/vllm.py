@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed as D
 from .. import fsdp
 from ..fields import ConfigError
 from ..models.hf import export_config, hf_tensors
@@ -95,7 +96,7 @@ def engine_config(model, dtype: torch.dtype) -> dict:
 def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, seed: int,
               max_len: int | None, load_format: str = "dummy", kv_bytes: int = 0,
               gpu_memory_utilization: float = 0.9, external_launcher: bool = False,
-              sleep: bool = False):
+              sleep: bool = False, tensor_parallel_size: int = 1):
     """vllm.LLM for `model_dir` (token ids in and out: no tokenizer loaded), asked for one
     token before it is returned, so that a model vLLM cannot run fails here."""
     kw = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}
@@ -107,7 +108,8 @@ def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, se
                    dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_len,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                    enforce_eager=device.type == "cpu",
-                   gpu_memory_utilization=gpu_memory_utilization, **kw)
+                   gpu_memory_utilization=gpu_memory_utilization,
+                   tensor_parallel_size=tensor_parallel_size, **kw)
     try:
         llm.generate([{"prompt_token_ids": [0]}],
                      vllm.SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
@@ -189,24 +191,34 @@ class VLLMEngine:
         if cfg.vllm_sleep and run.device.type != "cuda":
             raise ConfigError("vllm_sleep: sleep mode gives GPU memory back between rollouts; "
                               "it needs a GPU (this run is on the CPU)")
+        tp, world = cfg.vllm_tensor_parallel_size, run.dist.world_size
+        if world % tp:
+            raise ConfigError(f"vllm_tensor_parallel_size: {tp} does not divide the {world} "
+                              f"processes")
         check_servable(tok)
         vllm = import_vllm()
         self.tok, self.device, self.llm = tok, run.device, None
         self.sleep, self.asleep = cfg.vllm_sleep, False
+        # the ranks of one engine: they sample all their prompts together, each keeps its own
+        self.group = D.consecutive_groups(tp)
         self.dtype = engine_dtype(cfg.vllm_dtype, run.device)
         self.SamplingParams = vllm.SamplingParams
         max_len = max_len or model.cfg.block_size
-        rows = -(-cfg.prompts_per_step // run.dist.world_size) * cfg.group_size
+        rows = -(-cfg.prompts_per_step // world) * cfg.group_size * tp
         kv = int(cfg.vllm_kv_cache_gib * 2**30) if cfg.vllm_kv_cache_gib else \
             kv_cache_bytes(model, rows, max_len, self.dtype) if run.device.type == "cpu" else 0
         self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_"))
         (self.dir / "config.json").write_text(json.dumps(engine_config(model, self.dtype)))
+        self.shm = tp > 1 and run.device.type == "cpu"
+        if self.shm:
+            _remove_cpu_shm()
+            D.barrier()  # no rank creates its segment before every rank removed the old ones
         try:
-            self.llm = build_llm(vllm, self.dir, self.dtype, run.device, cfg.seed + run.dist.rank,
-                                 max_len, kv_bytes=kv,
+            self.llm = build_llm(vllm, self.dir, self.dtype, run.device,
+                                 cfg.seed + run.dist.rank // tp, max_len, kv_bytes=kv,
                                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                                 external_launcher=run.dist.world_size > 1,
-                                 sleep=self.sleep)
+                                 external_launcher=world > 1, sleep=self.sleep,
+                                 tensor_parallel_size=tp)
         except Exception as e:
             self.close()
             raise ConfigError(f"rollout_engine: vllm cannot serve this model "
@@ -215,10 +227,17 @@ class VLLMEngine:
 
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
         enc = [self.tok.encode_prompt(p) for p in prompts]
+        mine = (enc, row_seeds(len(enc), generator))
+        shares, me = [mine], 0
+        if self.group is not None:
+            shares, me = D.all_gather_object(mine, self.group), D.group_rank(self.group)
+        start = sum(len(share[0]) for share in shares[:me])
         self._wake()
-        toks, lps = complete(self.llm, self.SamplingParams, enc,
+        toks, lps = complete(self.llm, self.SamplingParams,
+                             [ids for share in shares for ids in share[0]],
                              sampling_options(sampling, self.tok.eos_ids),
-                             row_seeds(len(enc), generator))
+                             [s for share in shares for s in share[1]])
+        toks, lps = toks[start:start + len(enc)], lps[start:start + len(enc)]
         if self.sleep:  # level 1: weights to CPU memory, KV cache freed, until the next wake
             self.llm.sleep(level=1)
             self.asleep = True
@@ -237,7 +256,18 @@ class VLLMEngine:
         llm, self.llm = self.llm, None
         if llm is not None:
             shutdown(llm)
+        if getattr(self, "shm", False):
+            _remove_cpu_shm()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _remove_cpu_shm() -> None:
+    """vLLM 0.32's CPU tensor parallelism under torchrun (external_launcher) names its shared
+    memory from an empty identifier ("/dev/shm/-tp:0-[0-1]-cpushm_0"), the same in every
+    run, and leaves the segments behind on exit, so the next run's engine fails to create
+    them (errno 17): they are removed before the engine starts and after it stops."""
+    for path in Path("/dev/shm").glob("-*-cpushm_*"):
+        path.unlink(missing_ok=True)
 
 
 def _head_dim(model) -> int:
