@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -107,13 +108,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir):
-    """`mini-grpo vllm-serve` on a free loopback port, until the block ends; yields (url,
-    the process)."""
+def vllm_server(model_dir, *args):
+    """`mini-grpo vllm-serve` on a free loopback port, until the block ends (with the worker
+    processes it may have started); yields (url, the process)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mini_grpo", "vllm-serve", "--model",
-                             str(model_dir), "--port", str(port)], cwd=ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(model_dir), "--port", str(port), *args], cwd=ROOT,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -127,7 +129,8 @@ def vllm_server(model_dir):
                 time.sleep(1)
         yield url, proc
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
@@ -148,7 +151,8 @@ def test_server_mode_trains_and_a_dead_server_ends_the_run_resumably(tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert url in last and "vLLM server" in last, last
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001.pt"]
-    with vllm_server(lm) as (url, _):  # another server: the run resumes from step 1
+    # another server, its engine split over 2 worker processes: the run resumes from step 1
+    with vllm_server(lm, "--tensor_parallel_size=2") as (url, _):
         r = entry(*args, f"--vllm_server_url={url}", timeout=600)
         assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     rows = [m for m in metrics(out) if "engine/logp_diff" in m]

@@ -4,6 +4,7 @@ engines/client.py).
 
     mini-grpo vllm-serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype auto]
                          [--max_model_len N] [--gpu_memory_utilization 0.9] [--kv_cache_gib 0]
+                         [--tensor_parallel_size 1]
 
 DIR gives the model's config.json only: the engine starts with dummy weights and serves the
 trainer's, which the trainer pushes before its first rollout and after every update. HTTP
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -72,17 +74,21 @@ class Server:
         self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_serve_"))
         (self.dir / "config.json").write_text(json.dumps(self.config))
         self.max_len = args.max_model_len or model.cfg.block_size
+        if self.device.type == "cpu" and args.tensor_parallel_size > 1:
+            _bind_cpu_workers(args.tensor_parallel_size)
         kv = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else \
             (1 << 30 if self.device.type == "cpu" else 0)
         try:
             self.llm = build_llm(vllm, self.dir, self.dtype, self.device, args.seed,
                                  self.max_len, kv_bytes=kv,
-                                 gpu_memory_utilization=args.gpu_memory_utilization)
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 tensor_parallel_size=args.tensor_parallel_size)
         except Exception as e:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise ConfigError(f"vllm-serve: vLLM cannot serve {args.model}: "
                               f"{_summary(e)}") from None
         self.group, self.joining = None, None
+        self.tp = args.tensor_parallel_size
 
     # ---- the endpoints
     def health(self, _body) -> dict:
@@ -140,7 +146,9 @@ class Server:
             for name, shape, dtype in specs:
                 t = torch.empty(shape, dtype=DTYPES[dtype], device=device)
                 yield name, self.group.broadcast(t, src=0).to(self.dtype)
-        reload(self.llm, received())
+        # one process: each weight loaded as it arrives; tensor parallel: the engine's workers
+        # are processes of their own, so the weights go to them together
+        reload(self.llm, received() if self.tp == 1 else list(received()))
         return {"seconds": time.perf_counter() - t0}
 
     def close_weights(self, _body) -> dict:
@@ -155,6 +163,18 @@ class Server:
         self.close_weights(None)
         shutdown(self.llm)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _bind_cpu_workers(tp: int) -> None:
+    """vLLM's CPU workers bind their threads one NUMA node each, and refuse more workers than
+    nodes: unless VLLM_CPU_OMP_THREADS_BIND says otherwise, split this process's cores into
+    `tp` contiguous sets instead ("0-7|8-15")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or len(cores) < tp:
+        return
+    n = len(cores) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cores[i * n:(i + 1) * n])) for i in range(tp))
 
 
 def _json(raw: bytes) -> dict:
@@ -242,6 +262,8 @@ def parse_args(argv: list[str]):
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.9)
     ap.add_argument("--kv_cache_gib", type=float, default=0.0,
                     help="KV cache GiB (0: from the share on a GPU, 1 GiB on a CPU)")
+    ap.add_argument("--tensor_parallel_size", type=int, default=1,
+                    help="devices (on a CPU: processes) the engine is split over")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
