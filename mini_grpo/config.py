@@ -238,6 +238,10 @@ class GRPOConfig:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1], "
                               f"got {self.vllm_gpu_memory_utilization}")
+        if self.rollout_engine == "vllm" and not self.init_from:
+            raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
+                              "to a model directory (a run from scratch trains our "
+                              "character-level GPT, whose tokenizer vLLM cannot load)")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
         if not 0 <= self.reward_max_fail_frac <= 1:

@@ -29,7 +29,7 @@ from . import fsdp
 from .checkpoint import CheckpointError, check_shapes, load_checkpoint, load_weights
 from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
-from .engines import Engine, make_engine
+from .engines import Engine, check_engine, make_engine
 from .logger import RunLogger
 from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
 from .models.hf import load_hf_model
@@ -137,6 +137,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     try:
         check_world(cfg, dist)
         device = resolve_device(cfg, dist.local_rank)
+        check_engine(cfg, device)
         threads = setup_backends(cfg, dist.local_world_size)
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None
         if data is not None:

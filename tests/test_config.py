@@ -70,13 +70,13 @@ def test_bare_name_is_looked_up_in_configs():
      ["task_args.num_train: must be in 1..10,000,000"]),
     ("", ["--num_eval=1000000000000"], {}, ["num_eval: must be <= 10,000,000"]),
     # the rollout engine: refused at start, before any work, vllm installed or not
-    ("seed: 1\n", ["--rollout_engine=vllm"], {}, ["rollout_engine: vllm serves Hugging Face models",
-                                                  "init_from"]),
+    ("", ["--rollout_engine=vllm"], {}, ["rollout_engine: vllm serves Hugging Face models",
+                                         "init_from"]),
     ("", ["--vllm_gpu_memory_utilization=0"], {}, ["vllm_gpu_memory_utilization: must be in"]),
     ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be >= 0"]),
     ("", ["--vllm_mode=nowhere"], {}, ["vllm_mode", "colocate", "server"]),
     ("", ["--vllm_tensor_parallel_size=0"], {}, ["vllm_tensor_parallel_size: must be > 0"]),
-    ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true"], {},
+    ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true", "--init_from=x"], {},
      ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, yaml_text, args, env, expected):

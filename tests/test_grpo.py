@@ -186,4 +186,5 @@ def test_without_a_cap_the_engine_is_measured_but_not_corrected():
 def test_only_the_vllm_engine_is_corrected():
     from conftest import tiny
     assert LossSettings.of(tiny(None)).is_cap == 0.0  # native: the weight is exactly 1
-    assert LossSettings.of(tiny(None, rollout_engine="vllm", vllm_is_cap=3)).is_cap == 3.0
+    vllm = tiny(None, rollout_engine="vllm", vllm_is_cap=3, init_from="some/model")
+    assert LossSettings.of(vllm).is_cap == 3.0

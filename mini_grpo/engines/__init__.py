@@ -24,7 +24,16 @@ from __future__ import annotations
 
 from .base import Engine, EngineError, Sampling
 
-__all__ = ["Engine", "EngineError", "Sampling", "make_engine"]
+__all__ = ["Engine", "EngineError", "Sampling", "check_engine", "make_engine"]
+
+
+def check_engine(cfg, device) -> None:
+    """What the engine options refuse on `device`, before the set-up does any work."""
+    from ..fields import ConfigError
+
+    if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and device.type != "cuda":
+        raise ConfigError("vllm_sleep: sleep mode gives GPU memory back between rollouts; "
+                          "it needs a GPU (this run is on the CPU)")
 
 
 def make_engine(run, max_len: int | None = None) -> Engine:

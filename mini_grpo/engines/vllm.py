@@ -1,15 +1,18 @@
-"""vLLM as the rollout engine (`rollout_engine: vllm`, `vllm_mode: colocate`).
+"""vLLM as the rollout engine (`rollout_engine: vllm`, `vllm_mode: colocate`), and the pieces
+the server mode shares (server.py, client.py).
 
 Each rank runs its own in-process vLLM engine (the engine core in this process:
 VLLM_ENABLE_V1_MULTIPROCESSING=0) on its own device, for its own share of the prompts.
 Under torchrun the engines are built with vLLM's `external_launcher` executor, as TRL's
-colocate mode does, so each takes its rank's device (LOCAL_RANK) and joins no other.
+colocate mode does, so each takes its rank's device (LOCAL_RANK). With
+`vllm_tensor_parallel_size` N, N consecutive ranks form one engine: they gather their
+prompts, all submit the same requests (same seeds), and each keeps its own rows.
 
 Start-up never reads weights from disk: the engine is built from a directory holding only
-config.json (our model's, in the engine's dtype, its LM head untied: see __init__) with
-`load_format="dummy"`, and then gets
-every weight from the policy in memory (`sync`, which the trainer calls before the first
-rollout and after every update that went through). A sync sends each weight once, in
+config.json (our model's, in the engine's dtype, its LM head untied: `engine_config`) with
+`load_format="dummy"`, and then gets every weight from the policy in memory (`sync`, which
+the trainer calls before the first rollout and whenever an update or a restore changed the
+weights). A sync sends each weight once, in
 Hugging Face's names and the engine's dtype, through vLLM's `reload_weights`; under fsdp
 each is all-gathered as it is sent (fsdp.full_tensors), so no rank holds a full copy of
 the model besides the engine's own. The prefix cache is then cleared: prompt keys and values
@@ -188,9 +191,6 @@ class VLLMEngine:
 
     def __init__(self, run, max_len: int | None = None):
         cfg, model, tok = run.cfg, run.model, run.tok
-        if cfg.vllm_sleep and run.device.type != "cuda":
-            raise ConfigError("vllm_sleep: sleep mode gives GPU memory back between rollouts; "
-                              "it needs a GPU (this run is on the CPU)")
         tp, world = cfg.vllm_tensor_parallel_size, run.dist.world_size
         if world % tp:
             raise ConfigError(f"vllm_tensor_parallel_size: {tp} does not divide the {world} "
