@@ -1,0 +1,228 @@
+"""LoRA adapters (issue 24), written the way torchtune writes them: a Linear that keeps its
+frozen base weight under its own name and adds a low-rank update, scaled by alpha / r.
+
+    names = apply_lora(model, r=16, alpha=32)          # in place; every other weight frozen
+    with adapters_disabled(model): ...                 # the base model: the reference, free
+    merged_state_dict(model)                           # what a plain model of the family loads
+    save_adapter(model, "out/adapter"); load_adapter(base, "out/adapter")   # PEFT's format
+
+`LoRALinear` subclasses nn.Linear, so the base `weight`/`bias` keep their state-dict names
+(checkpoints, exports and the vLLM sync read them as before) and `lora_A`/`lora_B` are
+submodules, whose names are PEFT's. At init A is kaiming-uniform and B zero (as PEFT), so the
+model equals its base exactly until the first update.
+
+The adapter files are PEFT's: adapter_config.json and adapter_model.safetensors, keys
+`base_model.model.` + the Hugging Face name of the module + `.lora_A.weight` (shape (r, in))
+/ `.lora_B.weight` ((out, r)). GPT-2's Conv1D layers keep that layout too; PEFT marks them
+`fan_in_fan_out`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .jsonio import read_json_object
+from .models.hf import _theirs
+
+DEFAULT_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"],
+                   "gpt": ["c_attn", "c_proj", "c_fc"]}
+MAX_CONFIG_BYTES = 1 << 16
+
+
+class LoRALinear(nn.Linear):
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        nn.Module.__init__(self)  # no new base weight: the base layer's tensors are kept
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        w = base.weight
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=w.device,
+                                dtype=w.dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    def delta(self) -> torch.Tensor:
+        """The update to the base weight: scaling * B @ A, (out, in)."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+
+def _linears(model) -> dict[str, nn.Linear]:
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear) and
+            name != "lm_head" and ".lora_" not in name}
+
+
+def apply_lora(model, r: int, alpha: float, dropout: float = 0.0,
+               targets: list[str] | None = None) -> list[str]:
+    """Replaces the `targets` linear layers (by the last part of their name; default: every
+    linear of attention and MLP) with LoRALinear, in place, and freezes every other weight.
+    Returns the replaced modules' names. Bad options are a ValueError naming the field."""
+    if r <= 0 or int(r) != r:
+        raise ValueError(f"lora_r: must be a positive integer, got {r}")
+    if not alpha > 0:
+        raise ValueError(f"lora_alpha: must be > 0, got {alpha}")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"lora_dropout: must be in [0, 1), got {dropout}")
+    targets = list(targets or DEFAULT_TARGETS[model.family])
+    linears = _linears(model)
+    short = sorted({n.rsplit(".", 1)[-1] for n in linears} | {"lm_head"})
+    for t in targets:
+        if t != "lm_head" and not any(n.rsplit(".", 1)[-1] == t for n in linears):
+            raise ValueError(f"lora_target_modules: no module named {t!r} in this "
+                             f"{model.family} model (its linear layers: {', '.join(short)})")
+    if "lm_head" in targets:
+        linears["lm_head"] = model.lm_head
+    chosen = [n for n in linears if n.rsplit(".", 1)[-1] in targets]
+    for name in chosen:
+        m = linears[name]
+        if r > min(m.in_features, m.out_features):
+            raise ValueError(f"lora_r: {r} is larger than {name}'s smallest side "
+                             f"({m.in_features} x {m.out_features})")
+    model.requires_grad_(False)
+    for name in chosen:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, LoRALinear(linears[name], int(r), float(alpha), dropout))
+    model.lora = {"r": int(r), "alpha": float(alpha), "dropout": float(dropout),
+                  "targets": targets}
+    return chosen
+
+
+def lora_modules(model) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_disabled(model):
+    """Every adapter off inside: the model runs as its base (the reference policy)."""
+    mods = list(lora_modules(model).values())
+    saved = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, on in zip(mods, saved):
+            m.enabled = on
+
+
+def lora_state_dict(model) -> dict[str, torch.Tensor]:
+    """The adapters' tensors only, under our module names."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+@torch.no_grad()
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict of the plain model: each adapter folded into its base weight, no
+    lora_ keys. The live model is not changed."""
+    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
+    for name, m in lora_modules(model).items():
+        state[f"{name}.weight"] = m.weight + m.delta().to(m.weight.dtype)
+    return state
+
+
+def _peft_key(model, name: str, part: str) -> str:
+    return f"base_model.model.{_theirs(model.family, name + '.weight')[:-len('.weight')]}" \
+           f".{part}.weight"
+
+
+def save_adapter(model, directory: str | Path, base_model: str = "") -> Path:
+    """adapter_config.json + adapter_model.safetensors, in PEFT's format."""
+    from safetensors.torch import save_file
+
+    info = getattr(model, "lora", None)
+    mods = lora_modules(model)
+    if not mods or info is None:
+        raise ValueError("save_adapter: the model has no LoRA adapters")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, m in mods.items():
+        for part in ("lora_A", "lora_B"):
+            tensors[_peft_key(model, name, part)] = \
+                getattr(m, part).weight.detach().to("cpu").contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["r"],
+              "lora_alpha": info["alpha"], "lora_dropout": info["dropout"],
+              "target_modules": info["targets"], "bias": "none", "inference_mode": True,
+              "fan_in_fan_out": model.family == "gpt", "base_model_name_or_path": base_model}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def read_adapter_config(directory: str | Path) -> dict:
+    """adapter_config.json, checked: r, lora_alpha, lora_dropout, target_modules."""
+    path = Path(directory) / "adapter_config.json"
+    config = read_json_object(path, MAX_CONFIG_BYTES)
+    if config is None:
+        raise ValueError(f"{path}: no such file (not a PEFT adapter directory)")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    targets, dropout = config.get("target_modules"), config.get("lora_dropout", 0.0)
+    if type(r) is not int or r <= 0:
+        raise ValueError(f"{path}: r must be a positive integer, got {r!r}")
+    if type(alpha) not in (int, float) or not alpha > 0:
+        raise ValueError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        raise ValueError(f"{path}: lora_dropout must be in [0, 1), got {dropout!r}")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{path}: target_modules must be a list of module names")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+    return config
+
+
+@torch.no_grad()
+def load_adapter(model, directory: str | Path) -> list[str]:
+    """A PEFT LoRA adapter onto `model` (its base): applies LoRA with the adapter's options
+    when the model has none, then loads every A and B, each checked against its layer's
+    shape (an adapter made for another base is refused, naming the key)."""
+    from safetensors import safe_open
+
+    config = read_adapter_config(directory)
+    if not lora_modules(model):
+        apply_lora(model, config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0),
+                   config["target_modules"])
+    file = Path(directory) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise ValueError(f"{file}: no such file")
+    want = {_peft_key(model, name, part): getattr(m, part).weight
+            for name, m in lora_modules(model).items() for part in ("lora_A", "lora_B")}
+    with safe_open(str(file), "pt") as f:
+        keys = set(f.keys())
+        # PEFT may name the adapter (".lora_A.default.weight"): the default adapter is ours
+        alias = {k.replace(".default.weight", ".weight"): k for k in keys}
+        missing = sorted(set(want) - set(alias))
+        extra = sorted(set(alias) - set(want))
+        if missing or extra:
+            raise ValueError(f"{file}: {'missing ' + missing[0] if missing else ''}"
+                             f"{'; ' if missing and extra else ''}"
+                             f"{'unexpected ' + extra[0] if extra else ''} (an adapter for "
+                             f"another model?)")
+        for key, param in want.items():
+            shape = tuple(f.get_slice(alias[key]).get_shape())
+            if shape != tuple(param.shape):
+                raise ValueError(f"{file}: {key} has shape {shape}, this model's "
+                                 f"{tuple(param.shape)} (an adapter for another base)")
+            param.copy_(f.get_tensor(alias[key]))
+    return sorted(lora_modules(model))
