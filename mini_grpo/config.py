@@ -97,30 +97,20 @@ class GRPOConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
 
-    # ---- rollout engine (mini_grpo/engines) ----
-    # native: our batched, KV-cached sampler; vllm: vLLM samples the rollouts (`make setup
-    # VLLM=1`; Hugging Face models only), its weights synced from the policy in memory
-    # whenever an update went through
+    # ---- rollout engine (mini_grpo/engines; README "Rollouts with vLLM") ----
+    # native: our KV-cached sampler; vllm: vLLM (`make setup VLLM=1`, Hugging Face models)
     rollout_engine: Literal["native", "vllm"] = "native"
-    # colocate: each rank runs its own in-process engine, for its own share of the prompts;
-    # server: a `mini-grpo vllm-serve` process at vllm_server_url (other GPUs, another node)
+    # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
     vllm_mode: Literal["colocate", "server"] = "colocate"
     vllm_server_url: str = "http://127.0.0.1:8000"
     vllm_server_timeout: float = 600.0  # seconds for one request or weight push
-    # the engine's weights and KV cache; auto = bfloat16 on a GPU that has it, else float32
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPUs
     vllm_gpu_memory_utilization: float = 0.3  # on a GPU: its share for the engine
-    # colocate: ranks per engine (consecutive ranks share one, each holding 1/N of it, and
-    # sample their prompts together); must divide the number of processes
-    vllm_tensor_parallel_size: int = 1
-    # colocate on GPUs: between rollouts the engine sleeps (its weights moved to CPU memory,
-    # its KV cache freed), so the policy update gets the GPU memory back
-    vllm_sleep: bool = False
-    # KV-cache GiB per engine; 0 = on a GPU from vllm_gpu_memory_utilization, on a CPU what
-    # one step's rows need
-    vllm_kv_cache_gib: float = 0.0
-    # truncated importance sampling of vLLM's samples: each token's policy-gradient term
-    # weighted by min(exp(logp_old - logp_vllm), cap) (TRL and verl use about 2); 0 = off
+    vllm_tensor_parallel_size: int = 1  # colocate: consecutive ranks sharing one engine
+    vllm_sleep: bool = False  # colocate on GPUs: free the engine's memory between rollouts
+    vllm_kv_cache_gib: float = 0.0  # 0: from the GPU share; on a CPU, one step's rows
+    # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
+    # token's policy-gradient term (TRL and verl use about 2); 0 = off
     vllm_is_cap: float = 2.0
 
     # ---- GRPO ----
@@ -233,20 +223,18 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization: must be in (0, 1], "
-                              f"got {self.vllm_gpu_memory_utilization}")
+        # fields bounded to an interval: "(" / ")" open ends, "[" / "]" closed ones
+        intervals = {"top_p": "(0, 1]", "vllm_gpu_memory_utilization": "(0, 1]",
+                     "dropout": "[0, 1)", "reward_max_fail_frac": "[0, 1]"}
+        for name, span in intervals.items():
+            v = getattr(self, name)
+            if not ((0 < v if span[0] == "(" else 0 <= v) and
+                    (v < 1 if span[-1] == ")" else v <= 1)):
+                raise ConfigError(f"{name}: must be in {span}, got {v}")
         if self.rollout_engine == "vllm" and not self.init_from:
             raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
                               "to a model directory (a run from scratch trains our "
                               "character-level GPT, whose tokenizer vLLM cannot load)")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"dropout: must be in [0, 1), got {self.dropout}")
-        if not 0 <= self.reward_max_fail_frac <= 1:
-            raise ConfigError(f"reward_max_fail_frac: must be in [0, 1], "
-                              f"got {self.reward_max_fail_frac}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd: must be divisible by n_head ({self.n_head}), "
                               f"got {self.n_embd}")
