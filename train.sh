@@ -8,8 +8,8 @@
 #
 # Feature switches (USE_AMP, AMP_DTYPE, USE_TF32, COMPILE_MODEL, COMPILE_MODE, FUSED_OPTIMIZER,
 # GRADIENT_CHECKPOINTING, OFFLOAD_REFERENCE, PARALLEL_REWARDS, REWARD_EXECUTOR, NUM_WORKERS,
-# NUM_THREADS, CPU_MALLOC_CACHE, OUT_DIR, SEED, MAX_STEPS, PARALLELISM, ROLLOUT_ENGINE) are read
-# by the config loader itself, in every rank; see README's table.
+# NUM_THREADS, CPU_MALLOC_CACHE, OUT_DIR, SEED, MAX_STEPS, PARALLELISM, ROLLOUT_ENGINE,
+# LORA_R) are read by the config loader itself, in every rank; see README's table.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -46,7 +46,8 @@ if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
     echo "feature switches, read by the config in every rank (unset: the config's value):"
     for v in USE_AMP AMP_DTYPE USE_TF32 COMPILE_MODEL COMPILE_MODE GRADIENT_CHECKPOINTING \
              OFFLOAD_REFERENCE FUSED_OPTIMIZER PARALLEL_REWARDS REWARD_EXECUTOR NUM_WORKERS \
-             NUM_THREADS CPU_MALLOC_CACHE OUT_DIR SEED MAX_STEPS PARALLELISM ROLLOUT_ENGINE; do
+             NUM_THREADS CPU_MALLOC_CACHE OUT_DIR SEED MAX_STEPS PARALLELISM ROLLOUT_ENGINE \
+             LORA_R; do
         row "$v" "${!v:-}" ""
     done
     exit 0

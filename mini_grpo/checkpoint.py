@@ -61,7 +61,7 @@ def save(model: torch.nn.Module, opt: torch.optim.Optimizer | None, meta: dict,
         return _save_sharded(model, opt, meta, Path(directory), step, keep)
     if not D.is_main():
         return None
-    state = {**meta, "model": model.state_dict()}
+    state = {**meta, "model": {k: v for k, v in model.state_dict().items() if _kept(model, k)}}
     if opt is not None:
         state["optimizer"] = opt.state_dict()
     return save_checkpoint(state, directory, step, keep=keep)
@@ -74,7 +74,7 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
         directory.mkdir(parents=True, exist_ok=True)
         clean_stale_temps(directory)
     D.barrier()
-    fsdp.write_shards(model, opt, tmp)
+    fsdp.write_shards(model, opt, tmp, keep=lambda k: _kept(model, k))
     if D.is_main():
         torch.save(meta, tmp / "meta.pt")
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again
@@ -89,15 +89,34 @@ def load_weights(checkpoint: dict, model: torch.nn.Module,
                  opt: torch.optim.Optimizer | None = None, source: str = "checkpoint") -> None:
     """A loaded checkpoint's weights (and, given `opt`, its optimizer state) into `model`,
     whichever form it was saved in and however `model` is parallelised now."""
+    where = checkpoint.get("sharded") or source
     try:
+        lora = getattr(model, "lora", None)
+        if lora is not None:  # the adapters alone: every one of them, nothing else
+            saved = set(fsdp.sharded_shapes(where) if checkpoint.get("sharded") else
+                        checkpoint["model"])
+            want = {k for k in model.state_dict() if _kept(model, k)}
+            if saved != want:
+                odd = sorted(saved - want) or sorted(want - saved)
+                raise ValueError(f"{'unexpected' if saved - want else 'missing'} weight "
+                                 f"{odd[0]} (this run trains LoRA adapters of rank "
+                                 f"{lora['r']} on {', '.join(lora['targets'])})")
+        keep = (lambda k: _kept(model, k)) if lora is not None else None
         if checkpoint.get("sharded"):
-            fsdp.read_shards(checkpoint["sharded"], model, opt)
+            fsdp.read_shards(checkpoint["sharded"], model, opt, keep=keep)
             return
-        fsdp.load_model_state(model, checkpoint["model"])  # under fsdp each rank keeps its shards
+        # under fsdp each rank keeps its shards
+        fsdp.load_model_state(model, checkpoint["model"], strict=keep is None)
         if opt is not None:
             fsdp.load_optimizer_state(model, opt, checkpoint["optimizer"])
     except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{checkpoint.get('sharded') or source}: {e}") from None
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def _kept(model, name: str) -> bool:
+    """Whether a checkpoint keeps weight `name`: all of them, or with LoRA (lora.py: the
+    model's `lora`) the adapters alone (the frozen base is init_from's, read from there)."""
+    return getattr(model, "lora", None) is None or ".lora_" in name
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,

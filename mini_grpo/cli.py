@@ -7,6 +7,7 @@
                      [--generation_amp=off ...]                         # any config field
     mini-grpo rft-generate --checkpoint PATH --output rft.jsonl [--rft_oversample=16 ...]
     mini-grpo export --checkpoint PATH --output DIR [--dtype bfloat16]   # Hugging Face dir
+    mini-grpo export --checkpoint PATH --output DIR --adapter   # a LoRA run's adapter alone
     mini-grpo vllm-serve --model DIR [--port 8000]  # rollouts for vllm_mode: server (vLLM)
 
 A checkpoint is one of ours (a .pt file) or a local Hugging Face model directory.
@@ -200,15 +201,26 @@ def export_main(argv: list[str]) -> int:
                                                         "float16"],
                     help="auto: the dtype of the Hugging Face model the run started from, "
                          "else float32")
+    ap.add_argument("--adapter", action="store_true",
+                    help="a LoRA checkpoint's adapter alone, in PEFT's format "
+                         "(adapter_config.json + adapter_model.safetensors)")
     args = ap.parse_args(argv)
 
     def run_export():
+        from .lora import is_lora, merged_state_dict, save_adapter
         from .models.hf import export_dtype, save_hf
         from .run import build_policy
 
         state, cfg = _from_checkpoint(args.checkpoint, ["--rewards=null"])
         model, tok = build_policy(cfg, None, state)
-        path = save_hf(model, args.output, export_dtype(model, args.dtype), tokenizer=tok)
+        if args.adapter:
+            if not is_lora(model):
+                raise ConfigError(f"--adapter: {args.checkpoint} is not a LoRA checkpoint "
+                                  f"(it holds full weights: export it without --adapter)")
+            path = save_adapter(model, args.output, cfg.init_from)
+        else:
+            path = save_hf(model, args.output, export_dtype(model, args.dtype), tokenizer=tok,
+                           state=merged_state_dict(model))
         print(f"wrote {path}")
 
     return _guarded(run_export)

@@ -88,6 +88,14 @@ class GRPOConfig:
     # fp32 manual 8.1k, bf16 sdpa 16.1k, bf16 manual 19.5k.
     attn_impl: Literal["auto", "sdpa", "manual"] = "auto"
 
+    # ---- LoRA (lora.py; README "LoRA") ----
+    lora_r: int = 0  # adapters of this rank on init_from's frozen base; 0 = full fine-tuning
+    lora_alpha: float = 32.0  # the update is scaled by lora_alpha / lora_r
+    lora_dropout: float = 0.0
+    # by the last part of a module's name; null = every linear layer of attention and MLP
+    lora_target_modules: list | None = None
+    adapter: str = ""  # a PEFT adapter directory to continue from (on init_from's base)
+
     # ---- sampling ----
     max_new_tokens: int = 80  # a FEN after 12 plies is at most ~75 characters
     kv_cache: bool = True  # false = recompute the whole sequence per token (the slow baseline)
@@ -214,7 +222,7 @@ class GRPOConfig:
         non_negative = ["lr", "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "beta",
                         "epsilon_low", "epsilon_high", "top_k", "sft_steps", "num_threads",
                         "rft_num_prompts", "rft_sft_steps", "rft_lr", "fsdp_shard_size",
-                        "vllm_kv_cache_gib", "vllm_is_cap"]
+                        "vllm_kv_cache_gib", "vllm_is_cap", "lora_r"]
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -225,7 +233,8 @@ class GRPOConfig:
                               f"got {self.group_size}")
         # fields bounded to an interval: "(" / ")" open ends, "[" / "]" closed ones
         intervals = {"top_p": "(0, 1]", "vllm_gpu_memory_utilization": "(0, 1]",
-                     "dropout": "[0, 1)", "reward_max_fail_frac": "[0, 1]"}
+                     "dropout": "[0, 1)", "reward_max_fail_frac": "[0, 1]",
+                     "lora_dropout": "[0, 1)"}
         for name, span in intervals.items():
             v = getattr(self, name)
             if not ((0 < v if span[0] == "(" else 0 <= v) and
@@ -235,6 +244,17 @@ class GRPOConfig:
             raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
                               "to a model directory (a run from scratch trains our "
                               "character-level GPT, whose tokenizer vLLM cannot load)")
+        if (self.lora_r or self.adapter) and not self.init_from:
+            raise ConfigError(f"{'lora_r' if self.lora_r else 'adapter'}: LoRA adapts a "
+                              f"pretrained model: set init_from to a Hugging Face directory "
+                              f"or one of our checkpoints")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha: must be > 0, got {self.lora_alpha}")
+        if self.lora_target_modules is not None and not (
+                self.lora_target_modules and
+                all(isinstance(t, str) and t for t in self.lora_target_modules)):
+            raise ConfigError(f"lora_target_modules: must be a non-empty list of module "
+                              f"names, got {show(self.lora_target_modules)}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd: must be divisible by n_head ({self.n_head}), "
                               f"got {self.n_embd}")
@@ -268,6 +288,7 @@ ENV_VARS: dict[str, str] = {
     "NUM_WORKERS": "num_reward_workers", "NUM_THREADS": "num_threads",
     "CPU_MALLOC_CACHE": "cpu_malloc_cache", "OUT_DIR": "out_dir", "SEED": "seed",
     "MAX_STEPS": "max_steps", "PARALLELISM": "parallelism", "ROLLOUT_ENGINE": "rollout_engine",
+    "LORA_R": "lora_r",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

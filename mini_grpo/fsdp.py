@@ -169,14 +169,15 @@ def full_tensors(model: torch.nn.Module):
         yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def load_model_state(model: torch.nn.Module, state: dict) -> None:
-    """Loads a full state dict that every rank holds (each keeps its shard)."""
+def load_model_state(model: torch.nn.Module, state: dict, strict: bool = True) -> None:
+    """Loads a full state dict that every rank holds (each keeps its shard); `strict=False`:
+    some of the weights (LoRA's adapters), the rest left as they are."""
     if not is_sharded(model):
-        model.load_state_dict(state)
+        model.load_state_dict(state, strict=strict)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, state, options=_options())
+    set_model_state_dict(model, state, options=_options(strict=strict))
 
 
 def load_from_rank0(model: torch.nn.Module, state: dict, device: torch.device,
@@ -236,47 +237,57 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
 
 
 def memory_report(model: torch.nn.Module) -> dict[str, float]:
-    """Bytes this rank holds for the parameters, their gradients (same dtype and size) and
-    AdamW's two fp32 moments: from the local shards, so a fraction under fsdp."""
+    """Bytes this rank holds for the trained parameters, their gradients (same dtype and
+    size) and AdamW's two fp32 moments, and for the frozen ones (LoRA's base): from the
+    local shards, so a fraction under fsdp."""
     local = local_params(p for p in model.parameters() if p.requires_grad)
+    frozen = local_params(p for p in model.parameters() if not p.requires_grad)
     params = sum(t.numel() * t.element_size() for t in local)
-    return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local)}
+    return {"params": params, "grads": params, "optimizer": sum(8 * t.numel() for t in local),
+            "frozen": sum(t.numel() * t.element_size() for t in frozen)}
 
 
-def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
-    """This rank's shards of the weights (and of `opt`'s state), as DCP reads and writes them."""
+def _sharded_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                   keep=None) -> dict:
+    """This rank's shards of the weights (those whose name `keep` accepts, default all) and
+    of `opt`'s state, as DCP reads and writes them."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": {k: v for k, v in get_model_state_dict(model).items()
+                       if keep is None or keep(k)}}
     if opt is not None:
         state["optim"] = get_optimizer_state_dict(model, opt)
     return state
 
 
-def write_shards(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path) -> None:
-    """Every rank writes its shards of the weights (and of `opt`'s state) into directory
-    `path` with torch.distributed.checkpoint (a collective; checkpoint.py names, completes
-    and renames the directory)."""
+def write_shards(model: torch.nn.Module, opt: torch.optim.Optimizer | None, path,
+                 keep=None) -> None:
+    """Every rank writes its shards of the weights (those `keep` accepts, default all; and of
+    `opt`'s state) into directory `path` with torch.distributed.checkpoint (a collective;
+    checkpoint.py names, completes and renames the directory)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_state(model, opt), checkpoint_id=str(path))
+    dcp.save(_sharded_state(model, opt, keep), checkpoint_id=str(path))
 
 
-def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
-    """Loads the shards in directory `path` into `model` (and `opt`), however it is
-    parallelised now and over however many ranks: DCP reads each rank's part (resharding)."""
+def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None,
+                keep=None):
+    """Loads the shards in directory `path` into `model` (the weights `keep` accepts, default
+    all; and `opt`), however it is parallelised now and over however many ranks: DCP reads
+    each rank's part (resharding)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    state = _sharded_state(model, opt)
+    state = _sharded_state(model, opt, keep)
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optim"])
 

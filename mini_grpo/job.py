@@ -19,6 +19,7 @@ from . import fsdp
 from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
 from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
+from .lora import is_lora, merged_state_dict, save_adapter
 from .models.hf import export_dtype, save_hf
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
@@ -28,9 +29,12 @@ from .trainer import train_grpo
 
 STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft")}
 
-# a GRPO checkpoint cannot continue under another model, task or data
+# a GRPO checkpoint cannot continue under another model, task or data (a LoRA one holds
+# adapters alone: nor on another base)
 RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "task", "task_args", "data_path",
-                "group_size", "chat_template", "system_prompt")
+                "group_size", "chat_template", "system_prompt", "lora_r", "lora_alpha",
+                "lora_target_modules")
+RESUME_FIXED_LORA = ("init_from", "adapter")
 
 
 def train(cfg) -> dict:
@@ -79,12 +83,18 @@ def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool) -> N
 
 
 def export(run: Run, weights: dict) -> None:
-    """The trained policy (its full `weights`) as a Hugging Face directory, <out_dir>/hf."""
+    """The trained policy (its full `weights`) as a Hugging Face directory, <out_dir>/hf;
+    with LoRA the adapters folded in, and beside it <out_dir>/adapter in PEFT's format."""
     dtype = export_dtype(run.model, run.cfg.export_dtype)
-    path = save_hf(run.model, Path(run.cfg.out_dir) / "hf", dtype, tokenizer=run.tok,
-                   state=weights)
+    out = Path(run.cfg.out_dir)
+    path = save_hf(run.model, out / "hf", dtype, tokenizer=run.tok,
+                   state=merged_state_dict(run.model, weights))
     print(f"[mini-grpo] exported {path} ({str(dtype).removeprefix('torch.')}): "
           f"transformers' AutoModelForCausalLM.from_pretrained loads it", flush=True)
+    if is_lora(run.model):
+        path = save_adapter(run.model, out / "adapter", run.cfg.init_from, state=weights)
+        print(f"[mini-grpo] exported {path}: the LoRA adapter alone, in PEFT's format",
+              flush=True)
 
 
 def find_resume(run: Run) -> dict | None:
@@ -121,7 +131,9 @@ def check_resume(run: Run, state: dict, path: str) -> None:
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     now = cfg.to_dict()
-    fixed = [k for k in RESUME_FIXED if saved.get(k) != now.get(k)]
+    keys = RESUME_FIXED + (RESUME_FIXED_LORA if saved.get("lora_r") or saved.get("adapter")
+                           else ())
+    fixed = [k for k in keys if saved.get(k) != now.get(k)]
     if fixed:
         raise ConfigError(f"{path}: cannot resume with a different "
                           + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in fixed)

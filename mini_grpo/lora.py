@@ -5,6 +5,8 @@ frozen base weight under its own name and adds a low-rank update, scaled by alph
     with adapters_disabled(model): ...                 # the base model: the reference, free
     merged_state_dict(model)                           # what a plain model of the family loads
     save_adapter(model, "out/adapter"); load_adapter(base, "out/adapter")   # PEFT's format
+    merged(model, model.state_dict().items())         # a stream of plain weights (vLLM sync)
+    is_lora(model), adapter_keys(state)                # checkpoints keep the adapters alone
 
 `LoRALinear` subclasses nn.Linear, so the base `weight`/`bias` keep their state-dict names
 (checkpoints, exports and the vLLM sync read them as before) and `lora_A`/`lora_B` are
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,13 +90,14 @@ def apply_lora(model, r: int, alpha: float, dropout: float = 0.0,
         raise ValueError(f"lora_dropout: must be in [0, 1), got {dropout}")
     targets = list(targets or DEFAULT_TARGETS[model.family])
     linears = _linears(model)
-    short = sorted({n.rsplit(".", 1)[-1] for n in linears} | {"lm_head"})
+    short = sorted({n.rsplit(".", 1)[-1] for n in linears})
     for t in targets:
-        if t != "lm_head" and not any(n.rsplit(".", 1)[-1] == t for n in linears):
+        if t == "lm_head":  # chunked.py applies the head from its weight, a chunk at a time
+            raise ValueError("lora_target_modules: the LM head (lm_head) cannot take an "
+                             "adapter here; target the attention and MLP layers")
+        if not any(n.rsplit(".", 1)[-1] == t for n in linears):
             raise ValueError(f"lora_target_modules: no module named {t!r} in this "
                              f"{model.family} model (its linear layers: {', '.join(short)})")
-    if "lm_head" in targets:
-        linears["lm_head"] = model.lm_head
     chosen = [n for n in linears if n.rsplit(".", 1)[-1] in targets]
     for name in chosen:
         m = linears[name]
@@ -111,6 +116,42 @@ def apply_lora(model, r: int, alpha: float, dropout: float = 0.0,
 
 def lora_modules(model) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def is_lora(model) -> bool:
+    """Whether `model` trains LoRA adapters (its checkpoints then hold them alone)."""
+    return getattr(model, "lora", None) is not None
+
+
+def adapter_keys(state) -> dict:
+    """The adapters' entries of a state dict (or of any mapping keyed by weight name)."""
+    return {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def merged(model, items):
+    """(name, tensor) of the plain model, from `items`, the (name, tensor) of `model`'s state
+    dict in its order (a stream: under fsdp each is gathered as it is read): each adapted
+    weight comes out as W + alpha/r * B @ A once its B has gone by, no lora_ entry comes
+    out, everything else passes as it is. Without adapters, `items` unchanged."""
+    mods = lora_modules(model)
+    if not mods:
+        yield from items
+        return
+    held, a = {}, {}  # base weights and A's waiting for their B
+    for name, t in items:
+        prefix, _, part = name.rpartition(".lora_")
+        if part == "A.weight":
+            a[prefix] = t
+        elif part == "B.weight":
+            w, m = held.pop(prefix), mods[prefix]
+            delta = (t.float() @ a.pop(prefix).float()) * m.scaling
+            yield f"{prefix}.weight", (w.float() + delta).to(w.dtype)
+        elif name.endswith(".weight") and name[:-len(".weight")] in mods:
+            held[name[:-len(".weight")]] = t
+        else:
+            yield name, t
+    if held:
+        raise ValueError(f"merged: no adapter came for {next(iter(held))}")
 
 
 @contextmanager
@@ -133,13 +174,11 @@ def lora_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The state dict of the plain model: each adapter folded into its base weight, no
-    lora_ keys. The live model is not changed."""
-    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
-    for name, m in lora_modules(model).items():
-        state[f"{name}.weight"] = m.weight + m.delta().to(m.weight.dtype)
-    return state
+def merged_state_dict(model, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The state dict of the plain model (from `state`, the model's full one if given: a
+    sharded model's, gathered): each adapter folded into its base weight, no lora_ keys.
+    The live model is not changed."""
+    return dict(merged(model, (model.state_dict() if state is None else state).items()))
 
 
 def _peft_key(model, name: str, part: str) -> str:
@@ -147,27 +186,35 @@ def _peft_key(model, name: str, part: str) -> str:
            f".{part}.weight"
 
 
-def save_adapter(model, directory: str | Path, base_model: str = "") -> Path:
-    """adapter_config.json + adapter_model.safetensors, in PEFT's format."""
+def save_adapter(model, directory: str | Path, base_model: str = "",
+                 state: dict | None = None) -> Path:
+    """adapter_config.json + adapter_model.safetensors, in PEFT's format, from the model's
+    adapters (or from `state`, its full state dict: a sharded model's, gathered). Written to
+    a temporary directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
     info = getattr(model, "lora", None)
     mods = lora_modules(model)
     if not mods or info is None:
         raise ValueError("save_adapter: the model has no LoRA adapters")
+    state = adapter_keys(model.state_dict() if state is None else state)
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     tensors = {}
-    for name, m in mods.items():
+    for name in mods:
         for part in ("lora_A", "lora_B"):
             tensors[_peft_key(model, name, part)] = \
-                getattr(m, part).weight.detach().to("cpu").contiguous()
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+                state[f"{name}.{part}.weight"].detach().to("cpu").contiguous()
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["r"],
               "lora_alpha": info["alpha"], "lora_dropout": info["dropout"],
               "target_modules": info["targets"], "bias": "none", "inference_mode": True,
               "fan_in_fan_out": model.family == "gpt", "base_model_name_or_path": base_model}
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
     return out
 
 
@@ -193,13 +240,16 @@ def read_adapter_config(directory: str | Path) -> dict:
 
 
 @torch.no_grad()
-def load_adapter(model, directory: str | Path) -> list[str]:
+def load_adapter(model, directory: str | Path, r: int = 0, weights: bool = True) -> list[str]:
     """A PEFT LoRA adapter onto `model` (its base): applies LoRA with the adapter's options
     when the model has none, then loads every A and B, each checked against its layer's
-    shape (an adapter made for another base is refused, naming the key)."""
+    shape (an adapter made for another base is refused, naming the key). `r`: the rank the
+    caller expects (0: any); `weights=False`: the layers only (a model on the meta device)."""
     from safetensors import safe_open
 
     config = read_adapter_config(directory)
+    if r and r != config["r"]:
+        raise ValueError(f"lora_r: {r}, but the adapter {directory} has r {config['r']}")
     if not lora_modules(model):
         apply_lora(model, config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0),
                    config["target_modules"])
@@ -208,21 +258,28 @@ def load_adapter(model, directory: str | Path) -> list[str]:
         raise ValueError(f"{file}: no such file")
     want = {_peft_key(model, name, part): getattr(m, part).weight
             for name, m in lora_modules(model).items() for part in ("lora_A", "lora_B")}
-    with safe_open(str(file), "pt") as f:
-        keys = set(f.keys())
-        # PEFT may name the adapter (".lora_A.default.weight"): the default adapter is ours
-        alias = {k.replace(".default.weight", ".weight"): k for k in keys}
-        missing = sorted(set(want) - set(alias))
-        extra = sorted(set(alias) - set(want))
-        if missing or extra:
-            raise ValueError(f"{file}: {'missing ' + missing[0] if missing else ''}"
-                             f"{'; ' if missing and extra else ''}"
-                             f"{'unexpected ' + extra[0] if extra else ''} (an adapter for "
-                             f"another model?)")
-        for key, param in want.items():
-            shape = tuple(f.get_slice(alias[key]).get_shape())
-            if shape != tuple(param.shape):
-                raise ValueError(f"{file}: {key} has shape {shape}, this model's "
-                                 f"{tuple(param.shape)} (an adapter for another base)")
-            param.copy_(f.get_tensor(alias[key]))
+    try:
+        f = safe_open(str(file), "pt")
+    except Exception as e:  # a header safetensors cannot parse
+        raise ValueError(f"{file}: not a safetensors file ({str(e).splitlines()[0]})") from None
+    keys = set(f.keys())
+    # PEFT may name the adapter (".lora_A.default.weight"): the default adapter is ours
+    alias = {k.replace(".default.weight", ".weight"): k for k in keys}
+    missing = sorted(set(want) - set(alias))
+    extra = sorted(set(alias) - set(want))
+    if missing or extra:
+        raise ValueError(f"{file}: {'missing ' + missing[0] if missing else ''}"
+                         f"{'; ' if missing and extra else ''}"
+                         f"{'unexpected ' + extra[0] if extra else ''} (an adapter for "
+                         f"another model?)")
+    for key, param in want.items():
+        shape = tuple(f.get_slice(alias[key]).get_shape())
+        if shape != tuple(param.shape):
+            raise ValueError(f"{file}: {key} has shape {shape}, this model's "
+                             f"{tuple(param.shape)} (an adapter for another base)")
+        if weights:
+            t = f.get_tensor(alias[key])
+            if not t.is_floating_point() or not torch.isfinite(t).all():
+                raise ValueError(f"{file}: {key} is not finite floating-point values")
+            param.copy_(t)
     return sorted(lora_modules(model))

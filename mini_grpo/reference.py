@@ -4,6 +4,9 @@ With `offload`, the weights live in (pinned) CPU memory and are copied to the tr
 only for the duration of the reference pass (torch.func.functional_call), so the GPU holds one
 model's weights between passes; the log-probs are the same as without offload. On a CPU
 device the same code path runs with no copy (which is how the tests exercise it).
+
+Under LoRA the reference is the policy with its adapters switched off (AdaptersOff): the
+frozen base, with no second copy of the weights.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from torch.func import functional_call
 
 from . import fsdp
+from .lora import adapters_disabled
 
 
 class _Streamed(torch.nn.Module):
@@ -66,3 +70,23 @@ class Reference:
             out[mb.rows, :mb.ids.size(1)] = self.logprobs(mb, temperature)
         for _ in range(0 if self.offload else pad):
             self.logprobs(batches[-1], temperature)
+
+
+class AdaptersOff(Reference):
+    """LoRA's reference policy: the policy itself with its adapters switched off, which is
+    its frozen base exactly; no copy exists (offload_reference does not apply)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.offload = model, False
+
+    @torch.no_grad()
+    def logprobs(self, mb, temperature: float = 1.0) -> torch.Tensor:
+        training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_disabled(self.model):
+                lp = mb.logprobs(self.model, temperature)
+        finally:
+            self.model.train(training)
+        fsdp.release(self.model)
+        return lp

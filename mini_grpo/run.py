@@ -31,6 +31,7 @@ from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .logger import RunLogger
+from .lora import adapter_keys, apply_lora, is_lora, load_adapter
 from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
 from .models.hf import load_hf_model
 from .precision import (
@@ -41,7 +42,7 @@ from .precision import (
     resolve_precision,
     setup_backends,
 )
-from .reference import Reference
+from .reference import AdaptersOff, Reference
 from .rewards import REWARDS
 from .scoring import RewardScorer
 from .tasks import TaskData, build_task
@@ -79,6 +80,9 @@ class Run:
         cfg = self.cfg
         if not cfg.beta:
             return
+        if is_lora(self.model):  # LoRA: the base, with the adapters switched off; no copy
+            self.reference = AdaptersOff(self.model)
+            return
         if not self.sharded:
             self.reference = Reference(self.model, self.device, cfg.offload_reference)
             return
@@ -102,7 +106,7 @@ class Run:
         """What every checkpoint carries besides weights: the config, the tokenizer and the
         model's architecture (models.spec)."""
         return {"config": self.cfg.to_dict(), "tokenizer": self.tok.state(),
-                "model_spec": spec(self.model)}
+                "model_spec": spec(self.model), "lora": getattr(self.model, "lora", None)}
 
     def print0(self, message: str) -> None:
         if self.dist.is_main:
@@ -189,9 +193,10 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     if data is not None and log:  # a training run: what each rank holds, as the issue's table
         mem = {k: v / 2**20 for k, v in fsdp.memory_report(model).items()}
         how = f"{cfg.parallelism} over {dist.world_size}" if dist.enabled else "one process"
-        print(f"[mini-grpo] rank {dist.rank} holds ({how}): parameters {mem['params']:.1f} MiB, "
-              f"gradients {mem['grads']:.1f} MiB, AdamW state {mem['optimizer']:.1f} MiB",
-              flush=True)
+        frozen = f" (+ {mem['frozen']:.1f} MiB frozen: LoRA's base)" if mem["frozen"] else ""
+        print(f"[mini-grpo] rank {dist.rank} holds ({how}): parameters {mem['params']:.1f} MiB"
+              f"{frozen}, gradients {mem['grads']:.1f} MiB, AdamW state "
+              f"{mem['optimizer']:.1f} MiB", flush=True)
     return run
 
 
@@ -235,8 +240,32 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
                  meta: bool = False) -> tuple[CausalLM, Tokenizer]:
     """The policy (on CPU) and its tokenizer: those of `checkpoint` (a loaded state), else of
     `init_from` (a Hugging Face directory, or one of our checkpoints), else our GPT from the
-    config's fields with the task's alphabet, randomly initialised from the seed. `meta`:
-    where `weights_from_rank0` allows, the model without weights, on the meta device."""
+    config's fields with the task's alphabet, randomly initialised from the seed; with
+    lora_r (or an adapter) LoRA on top, its base frozen. A LoRA checkpoint holds adapters
+    alone: its base is read from init_from again. `meta`: where `weights_from_rank0`
+    allows, the model without weights, on the meta device."""
+    adapters = checkpoint if checkpoint is not None and checkpoint.get("lora") else None
+    model, tok = _base_policy(cfg, data, None if adapters else checkpoint, meta)
+    if cfg.lora_r or cfg.adapter:
+        torch.manual_seed(cfg.seed)  # the same adapters on every rank
+        try:
+            if cfg.adapter:
+                load_adapter(model, cfg.adapter, cfg.lora_r, weights=not meta)
+            else:
+                apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                           cfg.lora_target_modules)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if adapters is not None:
+        if model.lora != adapters["lora"]:
+            raise CheckpointError(f"checkpoint: its adapters ({adapters['lora']}) are not "
+                                  f"those its config describes ({model.lora})")
+        load_weights(adapters, model)
+    return model, tok
+
+
+def _base_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None,
+                 meta: bool) -> tuple[CausalLM, Tokenizer]:
     source = "checkpoint"
     meta = meta and weights_from_rank0(cfg, checkpoint)
     if checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
@@ -252,6 +281,10 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
     else:
         if checkpoint is None and cfg.init_from:
             checkpoint, source = load_checkpoint(cfg.init_from), cfg.init_from
+            if checkpoint.get("lora"):
+                raise CheckpointError(f"{source}: a LoRA checkpoint holds its adapters "
+                                      f"alone: start from its base with --init_from=BASE "
+                                      f"--adapter=DIR (a run's <out_dir>/adapter)")
         tok = CharTokenizer(data.alphabet) if checkpoint is None else \
             stored_tokenizer(checkpoint, source)
         spec = checkpoint_spec(checkpoint, cfg, tok, source) if checkpoint else \
@@ -322,7 +355,14 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
         raise CheckpointError(f"{source}: {e}") from None
     with torch.device("meta"):
         meta = build(spec)
-    check_shapes({k: v.shape for k, v in meta.state_dict().items()}, weights, source)
+    lora = state.get("lora")
+    if lora is not None:  # LoRA's checkpoints hold the adapters alone
+        try:
+            apply_lora(meta, lora["r"], lora["alpha"], lora["dropout"], lora["targets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: its LoRA options are not valid ({e})") from None
+    expected = {k: v.shape for k, v in meta.state_dict().items()}
+    check_shapes(adapter_keys(expected) if lora is not None else expected, weights, source)
     return spec
 
 

@@ -31,7 +31,8 @@ STAGE_KEYS = {"sft": ("task", "task_args", "data_path", "num_eval", "seed", "n_l
                       "n_embd", "block_size", "dropout", "init_from", "chat_template",
                       "system_prompt", "sft_steps",
                       "sft_batch_size", "sft_lr", "weight_decay", "warmup_steps", "grad_clip",
-                      "use_amp", "amp_dtype")}
+                      "use_amp", "amp_dtype", "lora_r", "lora_alpha", "lora_dropout",
+                      "lora_target_modules", "adapter")}
 STAGE_KEYS["rft"] = STAGE_KEYS["sft"] + ("rft_sft_steps", "rft_lr", "rft_oversample",
                                          "rft_min_reward", "rft_keep", "rft_num_prompts",
                                          "temperature", "top_k", "top_p", "max_new_tokens",

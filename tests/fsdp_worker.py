@@ -2,7 +2,8 @@
 FSDP, or 4 ranks and HSDP (2 replicas of a model sharded over 2 ranks): 3 GRPO steps of the
 trainer's own functions (advantages with the global normalisers, the micro-batch plan,
 policy_pass with fsdp's padding to equal passes, clipping, fused AdamW) on fixed rollout
-batches, for our GPT and a Llama-family model with an untied head. Rank 0 saves {family: full
+batches, for our GPT and a Llama-family model with an untied head, and that Llama training
+LoRA adapters on its frozen base. Rank 0 saves {family: full
 parameters, family/memory: each rank's memory report, family/passes: each rank's micro-batch
 counts, and under fsdp family/from_plain: see resumed_from_plain, family/from_rank0: see
 sent_from_rank0, family/reference(_bytes): the full weights and each rank's bytes of
@@ -19,6 +20,7 @@ from ddp_grad_worker import PROMPTS, G, make_batch, take
 from mini_grpo import distributed as D
 from mini_grpo import fsdp
 from mini_grpo.config import load_config
+from mini_grpo.lora import apply_lora
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.optim import make_optimizer
 from mini_grpo.rollout import micro_batches
@@ -26,11 +28,15 @@ from mini_grpo.trainer import advantages, policy_pass
 
 
 def build(family: str):
+    """gpt, llama, or llama_lora: the Llama with LoRA adapters (r 4) on its frozen base."""
     torch.manual_seed(0)
     if family == "gpt":
         return GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
-    return Llama(LlamaConfig(vocab_size=24, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
-                             n_embd=32, head_dim=8, n_inner=48))
+    model = Llama(LlamaConfig(vocab_size=24, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                              n_embd=32, head_dim=8, n_inner=48))
+    if family == "llama_lora":
+        apply_lora(model, r=4, alpha=8)
+    return model
 
 
 def resumed_from_plain(family: str) -> float:
@@ -82,7 +88,7 @@ def main(out_path: str, parallelism: str) -> None:
     cfg = load_config(None, {"micro_batch_size": 3, "beta": 0.1, "group_size": G,
                              "max_new_tokens": 12, "use_amp": False}, env={})
     out = {}
-    for family in ("gpt", "llama"):
+    for family in ("gpt", "llama", "llama_lora"):
         model = build(family)
         sharded = parallelism in ("fsdp", "hsdp") and W > 1
         if sharded:

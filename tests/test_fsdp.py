@@ -1,6 +1,7 @@
 """FSDP2 beside DDP, on CPU with gloo and 2 ranks: the same parameters after 3 GRPO steps as
-DDP and as one process (HSDP too, on 4 ranks), half the bytes per rank, and a run that trains,
-checkpoints and resumes under torchrun (also onto another number of ranks, both ways)."""
+DDP and as one process (HSDP too, on 4 ranks; LoRA's adapters too, the base untouched), half
+the bytes per rank, and a run that trains, checkpoints and resumes under torchrun (also onto
+another number of ranks, both ways)."""
 
 import subprocess
 import sys
@@ -30,11 +31,15 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
     ddp = worker(tmp_path, "ddp", 2)
     fsdp = worker(tmp_path, "fsdp", 2)
     hsdp = worker(tmp_path, "hsdp", 4)  # 2 replicas of a model sharded over 2 ranks each
-    for family in ("gpt", "llama"):
+    for family in ("gpt", "llama", "llama_lora"):
         assert fsdp[f"{family}/passes"][0] != fsdp[f"{family}/passes"][1]  # padding ran
         init = build(family).state_dict()
         moved = max((one[family][k] - v).abs().max().item() for k, v in init.items())
         assert moved > 1e-2  # three AdamW steps at lr 1e-2: far beyond the tolerance below
+        if family == "llama_lora":  # only the adapters trained, under every parallelism
+            for run in (one, ddp, fsdp, hsdp):
+                for k, v in init.items():
+                    assert ".lora_" in k or torch.equal(run[family][k], v), (family, k)
         for name, want in one[family].items():
             # DDP itself differs from one process by rounding (~2e-5 after AdamW rescales
             # tiny gradients); FSDP must stay as close
@@ -53,7 +58,7 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
             for name, want in sharded[family].items():
                 assert torch.equal(sharded[f"{family}/reference"][name], want), name
             assert sharded[f"{family}/reference_bytes"] == [
-                m["params"] for m in sharded[f"{family}/memory"]]
+                m["params"] + m["frozen"] for m in sharded[f"{family}/memory"]]
         # each rank holds about half of what a DDP rank holds (HSDP's too: shards of 2 ranks)
         full = ddp[f"{family}/memory"][0]
         for rank_mem in fsdp[f"{family}/memory"] + hsdp[f"{family}/memory"]:

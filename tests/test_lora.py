@@ -3,20 +3,27 @@ with adapters off, merge, PEFT-format files in and out, bad input named."""
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import tiny_gpt
+from conftest import ROOT, clean_env, entry, tiny, tiny_gpt, tiny_lm_dir
 
+from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
+from mini_grpo.job import train
 from mini_grpo.lora import (
+    DEFAULT_TARGETS,
     adapters_disabled,
     apply_lora,
     load_adapter,
+    lora_modules,
     lora_state_dict,
     merged_state_dict,
     save_adapter,
 )
 from mini_grpo.models import Llama, LlamaConfig
+from mini_grpo.models.hf import load_hf_model, save_hf
 from mini_grpo.optim import make_optimizer
 
 IDS = torch.tensor([[1, 5, 6, 7, 8, 9], [1, 9, 10, 11, 3, 4]])
@@ -125,3 +132,169 @@ def test_bad_options_and_adapters_for_another_base_are_named(tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text('{"r": -1}')
     with pytest.raises(ValueError, match="adapter_config.json: r must be a positive integer"):
         load_adapter(tiny_llama(), tmp_path / "a")
+
+
+# ---- against peft (the oracle), on Hugging Face models built here ----
+
+@pytest.fixture(scope="module")
+def lm_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm")
+    return {t: tiny_lm_dir(root / t, model_type=t) for t in ("qwen2", "llama")}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_peft_reads_our_adapter_merges_as_we_do_and_we_read_its(lm_dirs, model_type, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    d = lm_dirs[model_type]
+
+    def theirs():
+        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+    ours = load_hf_model(d).eval()
+    apply_lora(ours, r=4, alpha=8)
+    train_step(ours)  # B != 0: the adapters change the logits
+    save_adapter(ours, tmp_path / "ours", base_model=str(d))
+    pm = peft.PeftModel.from_pretrained(theirs(), tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(IDS).logits, logits(ours), atol=1e-4, rtol=0)
+    # our merged export: the weights of peft's merge_and_unload
+    save_hf(ours, tmp_path / "hf", state=merged_state_dict(ours))
+    merged = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    unloaded = pm.merge_and_unload().state_dict()
+    assert "model.layers.1.mlp.down_proj.weight" in merged
+    for k, v in merged.items():
+        torch.testing.assert_close(v, unloaded[k], atol=1e-6, rtol=0, msg=k)
+    # an adapter peft made (random A and B, some of the layers) loads onto our model
+    made = peft.get_peft_model(theirs(), peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False)).eval()
+    made.save_pretrained(tmp_path / "theirs")
+    mine = load_hf_model(d).eval()
+    load_adapter(mine, tmp_path / "theirs")
+    assert sorted({n.rsplit(".", 1)[-1] for n in lora_modules(mine)}) == \
+        ["down_proj", "q_proj", "v_proj"]
+    with torch.no_grad():
+        torch.testing.assert_close(logits(mine), made(IDS).logits, atol=1e-4, rtol=0)
+        assert not torch.allclose(logits(mine), theirs()(IDS).logits, atol=1e-3)
+
+
+def test_the_reference_is_the_base_with_its_adapters_off():
+    from ddp_grad_worker import make_batch
+
+    from mini_grpo.reference import AdaptersOff, Reference
+    from mini_grpo.rollout import micro_batches
+
+    base = tiny_llama()
+    m = copy.deepcopy(base)
+    apply_lora(m, r=4, alpha=8, dropout=0.1)
+    train_step(m)
+    m.train()  # the reference pass runs without dropout whatever the policy's mode
+    r, _, _ = make_batch(seed=0)
+    for mb in micro_batches(r, r.completion_mask, 8, 4):
+        ref = AdaptersOff(m).logprobs(mb)
+        assert torch.equal(ref, Reference(base, torch.device("cpu")).logprobs(mb))
+        assert not torch.allclose(ref, mb.logprobs(m.eval(), 1.0))  # the policy differs
+        m.train()
+    assert m.training
+
+
+# ---- in training: GRPO (and SFT) with lora_r ----
+
+def lora_run(out, lm, **kw):
+    return tiny(out, init_from=str(lm), lora_r=4, lora_alpha=8, lr=1e-2, max_steps=3,
+                save_every=1, block_size=256, max_new_tokens=16, eval_every=100, **kw)
+
+
+def test_grpo_with_lora_saves_adapters_alone_resumes_exactly_and_exports_both(
+        lm_dirs, tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    lm = lm_dirs["qwen2"]
+    straight = lora_run(tmp_path / "a", lm, mode="sft_grpo", sft_steps=2)
+    train(straight)
+    assert "MiB frozen: LoRA's base" in capsys.readouterr().out
+    resumed = lora_run(tmp_path / "b", lm, mode="sft_grpo", sft_steps=2)
+    train(resumed)
+    ckpts = list_checkpoints(tmp_path / "b" / "checkpoints")
+    ckpts[-1].unlink()  # as if killed after step 2's checkpoint
+    train(resumed)  # the SFT stage is reused, GRPO resumes at step 3
+    a, b = (load_checkpoint(tmp_path / x / "checkpoints" / "step_0000003.pt") for x in "ab")
+    assert a["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0,
+                         "targets": DEFAULT_TARGETS["llama"]}
+    assert a["model"] and all(".lora_" in k for k in a["model"])  # the adapters alone
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for x, y in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(x["exp_avg"], y["exp_avg"])
+    # hf/ is the merged model, adapter/ what peft loads onto the base: the same logits
+    out = tmp_path / "a"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(lm).eval()
+    with torch.no_grad():
+        want = merged(IDS).logits
+        assert not torch.allclose(want, base(IDS).logits, atol=1e-3)  # it trained
+        pm = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+        torch.testing.assert_close(pm(IDS).logits, want, atol=1e-4, rtol=0)
+    # the base itself never moved: every weight no adapter touches is the base's exactly
+    untouched = [k for k in merged.state_dict() if not k.endswith(
+        tuple(f"{t}.weight" for t in DEFAULT_TARGETS["llama"]))]
+    assert "model.norm.weight" in untouched
+    plain = transformers.AutoModelForCausalLM.from_pretrained(lm).state_dict()  # peft took base
+    for k in untouched:
+        assert torch.equal(merged.state_dict()[k], plain[k]), k
+    # mini-grpo export --adapter: the checkpoint's adapter alone, as the run wrote it
+    r = subprocess.run([sys.executable, "-m", "mini_grpo", "export", "--checkpoint",
+                        str(out / "checkpoints" / "step_0000003.pt"), "--output",
+                        str(tmp_path / "exported"), "--adapter"], capture_output=True,
+                       text=True, cwd=ROOT, env=clean_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+    ours, again = (load_file(str(p / "adapter_model.safetensors"))
+                   for p in (out / "adapter", tmp_path / "exported"))
+    assert ours.keys() == again.keys() and all(torch.equal(ours[k], again[k]) for k in ours)
+
+
+def test_a_run_continues_from_an_adapter(lm_dirs, tmp_path):
+    lm = lm_dirs["qwen2"]
+    m = load_hf_model(lm)
+    apply_lora(m, r=4, alpha=8)
+    train_step(m)
+    save_adapter(m, tmp_path / "adapter")
+    from mini_grpo.run import build_policy
+    cfg = tiny(tmp_path / "run", init_from=str(lm), adapter=str(tmp_path / "adapter"),
+               block_size=256)
+    model, _ = build_policy(cfg, None)
+    assert model.lora["r"] == 4 and torch.equal(logits(model), logits(m))
+
+
+def test_bad_lora_options_are_one_line_and_exit_2(lm_dirs, tmp_path):
+    from mini_grpo.config import ConfigError
+    from mini_grpo.run import build_policy
+
+    lm = lm_dirs["llama"]
+    r = entry("--config", "tiny", "--mode=grpo", f"--init_from={lm}", "--lora_r=4",
+              "--block_size=256", "--lora_target_modules=[q_proj, qkv]",
+              f"--out_dir={tmp_path / 'x'}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "lora_target_modules: no module named 'qkv' in this llama model" in r.stderr
+
+    def policy(**kw):
+        return build_policy(tiny(tmp_path / "y", init_from=str(lm), block_size=256, **kw), None)
+    with pytest.raises(ConfigError, match="lora_r: 97 is larger than"):
+        policy(lora_r=97)  # the MLP's 96 is the smallest side
+    with pytest.raises(ConfigError, match="lora_target_modules: the LM head"):
+        policy(lora_r=4, lora_target_modules="[lm_head]")
+    with pytest.raises(ConfigError, match="lora_r: LoRA adapts a pretrained model"):
+        tiny(tmp_path / "z", lora_r=4)
+    wider = Llama(LlamaConfig(vocab_size=300, block_size=512, n_layer=2, n_head=4,
+                              n_kv_head=2, n_embd=128, n_inner=96, head_dim=32))
+    apply_lora(wider, r=4, alpha=8)  # an adapter for a wider base, under the same names
+    save_adapter(wider, tmp_path / "other")
+    with pytest.raises(ConfigError, match="adapter_model.safetensors: .*lora_A.weight has "
+                                          "shape"):
+        policy(adapter=str(tmp_path / "other"))
+    with pytest.raises(ConfigError, match="lora_r: 8, but the adapter"):
+        policy(adapter=str(tmp_path / "other"), lora_r=8)

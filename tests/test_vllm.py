@@ -64,9 +64,11 @@ def test_the_sync_covers_qwen3_norms_and_gpt2s_transposed_weights(tmp_path):
 
 def test_grpo_with_vllm_serves_each_steps_weights(tmp_path):
     # engine/logp_diff at step k compares the log-probs vLLM sampled with (the weights it
-    # was sent after step k - 1) with the policy's own: equal only if every update reached it
-    synced = worker("train", tmp_path / "synced")
+    # was sent after step k - 1) with the policy's own: equal only if every update reached it.
+    # The run trains LoRA adapters, so what reaches vLLM is the base with them folded in
+    synced = worker("train", tmp_path / "synced", "--lora")
     assert synced["steps"] == [1, 2, 3] and synced["hf"]
+    assert synced["moved"] > 1e-3  # the merged weights are not the base's
     assert max(synced["logp_diff"]) < 1e-4, synced
     # the control: an engine that kept its first weights drifts from step 2 on
     stale = worker("train", tmp_path / "stale", "--stale")

@@ -3,7 +3,8 @@ process group, thread binding), printing one JSON line for tests/test_vllm.py:
 
     python tests/vllm_worker.py parity qwen2 DIR   # greedy and log-probs against ours, sync
     python tests/vllm_worker.py parity qwen3,gpt2 DIR   # each in turn: {family: result}
-    python tests/vllm_worker.py train DIR [--stale] # 3 GRPO steps; --stale: sync only once
+    python tests/vllm_worker.py train DIR [--stale] [--lora]   # 3 GRPO steps; --stale: sync
+                                                    # only once; --lora: LoRA adapters, r 4
 """
 
 import json
@@ -68,7 +69,7 @@ def parity(family: str, root: Path) -> dict:
     return out
 
 
-def train_run(root: Path, stale: bool) -> dict:
+def train_run(root: Path, stale: bool, lora: bool) -> dict:
     from mini_grpo.engines.vllm import VLLMEngine
     from mini_grpo.job import train
 
@@ -82,15 +83,19 @@ def train_run(root: Path, stale: bool) -> dict:
         VLLMEngine.sync = once
     lm = tiny_lm_dir(root / "lm", "qwen2", heads=2)
     out = root / "run"
-    train(tiny(out, init_from=str(lm), rollout_engine="vllm", max_steps=3, lr=3e-3,
-               warmup_steps=0, max_new_tokens=16, block_size=256, eval_every=100,
-               save_every=100, beta=0.0))
+    extra = {"lora_r": 4, "lr": 3e-2, "beta": 0.04} if lora else {}
+    train(tiny(out, init_from=str(lm), rollout_engine="vllm", max_steps=3, **{
+        "lr": 3e-3, "warmup_steps": 0, "max_new_tokens": 16, "block_size": 256,
+        "eval_every": 100, "save_every": 100, "beta": 0.0, **extra}))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "engine/logp_diff" in m]
+    from safetensors.torch import load_file
+    trained, base = (load_file(str(d / "model.safetensors")) for d in (out / "hf", lm))
     return {"steps": [m["step"] for m in steps],
             "logp_diff": [m["engine/logp_diff"] for m in steps],
             "engine_kl": [m["engine/kl"] for m in steps],
-            "hf": (out / "hf" / "config.json").exists()}
+            "hf": (out / "hf" / "config.json").exists(),
+            "moved": max((trained[k] - v).abs().max().item() for k, v in base.items())}
 
 
 if __name__ == "__main__":
@@ -100,5 +105,5 @@ if __name__ == "__main__":
     elif mode == "parity":
         result = parity(rest[0], Path(rest[1]))
     else:
-        result = train_run(Path(rest[0]), "--stale" in rest)
+        result = train_run(Path(rest[0]), "--stale" in rest, "--lora" in rest)
     print("RESULT " + json.dumps(result), flush=True)

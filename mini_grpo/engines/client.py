@@ -28,6 +28,7 @@ import torch
 from .. import distributed as D
 from .. import fsdp
 from ..fields import ConfigError
+from ..lora import merged
 from ..models.hf import hf_tensors
 from ..rollout import Rollout
 from .base import EngineError
@@ -111,7 +112,8 @@ class ServerEngine:
         shapes = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta"))
                   for n, t in model.state_dict().items())
         specs = [[name, list(t.shape), str(self.dtype).removeprefix("torch.")]
-                 for name, t in hf_tensors(model, shapes, self.dtype, head=True)]
+                 for name, t in hf_tensors(model, merged(model, shapes), self.dtype,
+                                           head=True)]
         reply: dict = {}
 
         def announce():
@@ -122,7 +124,8 @@ class ServerEngine:
         thread = threading.Thread(target=announce, daemon=True)
         thread.start()
         try:
-            for _, t in hf_tensors(model, fsdp.full_tensors(model), self.dtype, head=True):
+            for _, t in hf_tensors(model, merged(model, fsdp.full_tensors(model)),
+                                   self.dtype, head=True):
                 self.group.broadcast(t.to(device).contiguous(), src=0)
         except RuntimeError as e:  # the server died mid-transfer
             raise EngineError(f"weights to the vLLM server at {self.url} failed: "

@@ -40,6 +40,7 @@ import torch
 from .. import distributed as D
 from .. import fsdp
 from ..fields import ConfigError
+from ..lora import merged
 from ..models.hf import export_config, hf_tensors
 from ..rollout import Rollout, pad_left
 from ..tokenizer import HFTokenizer
@@ -245,7 +246,8 @@ class VLLMEngine:
 
     def sync(self, model) -> None:
         self._wake()  # the rollout follows at once: it stays awake
-        reload(self.llm, hf_tensors(model, fsdp.full_tensors(model), self.dtype, head=True))
+        weights = merged(model, fsdp.full_tensors(model))  # LoRA: folded in, as exported
+        reload(self.llm, hf_tensors(model, weights, self.dtype, head=True))
 
     def _wake(self) -> None:
         if self.asleep:
