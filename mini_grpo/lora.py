@@ -61,7 +61,11 @@ class LoRALinear(nn.Linear):
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        w, b = self.weight, self.bias
+        if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            # a base kept in autocast's dtype (store_base_in), run outside autocast
+            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
+        out = F.linear(x, w, b)
         if not self.enabled:
             return out
         return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
@@ -118,6 +122,15 @@ def lora_modules(model) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
+def store_base_in(model, dtype: torch.dtype) -> None:
+    """The adapted layers' frozen base weights kept in `dtype`, the training autocast's:
+    autocast casts them to it for every matmul anyway (rounding the same way), so no result
+    changes and the base takes half the memory; a pass outside autocast casts them back
+    to its input's dtype. Merges come out in the adapters' fp32."""
+    for m in lora_modules(model).values():
+        m.weight.data = m.weight.data.to(dtype)
+
+
 def is_lora(model) -> bool:
     """Whether `model` trains LoRA adapters (its checkpoints then hold them alone)."""
     return getattr(model, "lora", None) is not None
@@ -145,7 +158,8 @@ def merged(model, items):
         elif part == "B.weight":
             w, m = held.pop(prefix), mods[prefix]
             delta = (t.float() @ a.pop(prefix).float()) * m.scaling
-            yield f"{prefix}.weight", (w.float() + delta).to(w.dtype)
+            yield f"{prefix}.weight", (w.float() + delta).to(torch.promote_types(w.dtype,
+                                                                               t.dtype))
         elif name.endswith(".weight") and name[:-len(".weight")] in mods:
             held[name[:-len(".weight")]] = t
         else:

@@ -31,7 +31,7 @@ from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .logger import RunLogger
-from .lora import adapter_keys, apply_lora, is_lora, load_adapter
+from .lora import adapter_keys, apply_lora, is_lora, load_adapter, store_base_in
 from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
 from .models.hf import load_hf_model
 from .precision import (
@@ -160,6 +160,8 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         precision = resolve_precision(cfg, device, lambda parts: probe_dtypes(model, cfg, parts),
                                       train)
         model.attn_impl = attention_impl(cfg.attn_impl, device, precision.dtype)
+        if is_lora(model) and precision.dtype in (torch.bfloat16, torch.float16):
+            store_base_in(model, precision.dtype)  # half the frozen base's bytes, same results
         if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
             full = model.state_dict() if from_rank0 and dist.is_main else {}
             comm = D.CommTimer()

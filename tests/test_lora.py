@@ -21,6 +21,7 @@ from mini_grpo.lora import (
     lora_state_dict,
     merged_state_dict,
     save_adapter,
+    store_base_in,
 )
 from mini_grpo.models import Llama, LlamaConfig
 from mini_grpo.models.hf import load_hf_model, save_hf
@@ -132,6 +133,27 @@ def test_bad_options_and_adapters_for_another_base_are_named(tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text('{"r": -1}')
     with pytest.raises(ValueError, match="adapter_config.json: r must be a positive integer"):
         load_adapter(tiny_llama(), tmp_path / "a")
+
+
+def test_a_base_kept_in_bf16_changes_nothing_under_bf16_autocast():
+    m = tiny_llama()
+    apply_lora(m, r=4, alpha=8)
+    train_step(m)  # B != 0
+    half = copy.deepcopy(m)
+    store_base_in(half, torch.bfloat16)
+    assert {x.weight.dtype for x in lora_modules(half).values()} == {torch.bfloat16}
+    outs, grads = [], []
+    for model in (m, half):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(IDS).float()
+        out.logsumexp(-1).mean().backward()
+        outs.append(out.detach())
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+    assert torch.equal(outs[0], outs[1])  # autocast rounds the fp32 base the same way
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    torch.testing.assert_close(logits(half), logits(m), atol=2e-2, rtol=0)  # fp32, no autocast
+    w = merged_state_dict(half)["layers.0.self_attn.q_proj.weight"]
+    assert w.dtype == torch.float32  # the merge keeps the adapters' precision
 
 
 # ---- against peft (the oracle), on Hugging Face models built here ----
