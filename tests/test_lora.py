@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, clean_env, entry, tiny, tiny_gpt, tiny_lm_dir
+from conftest import ROOT, clean_env, entry, tiny, tiny_gpt, tiny_lm_dir, torchrun
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 from mini_grpo.job import train
@@ -320,3 +320,31 @@ def test_bad_lora_options_are_one_line_and_exit_2(lm_dirs, tmp_path):
         policy(adapter=str(tmp_path / "other"))
     with pytest.raises(ConfigError, match="lora_r: 8, but the adapter"):
         policy(adapter=str(tmp_path / "other"), lora_r=8)
+
+
+def test_lora_under_fsdp_saves_adapter_shards_that_resume_in_one_process(lm_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    args = ["distributed_train.py", "--config", "tiny", "--mode=grpo", "--use_amp=false",
+            "--reward_executor=serial", "--parallelism=fsdp", f"--init_from={lm_dirs['llama']}",
+            "--lora_r=4", "--lr=1e-2", "--block_size=256", "--max_new_tokens=16",
+            "--save_every=1", f"--out_dir={out}"]
+    r = torchrun(*args, "--max_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MiB frozen: LoRA's base" in r.stdout
+    ckpt = out / "checkpoints" / "step_0000002.dcp"
+    from mini_grpo.fsdp import sharded_shapes
+    assert all(".lora_" in k for k in sharded_shapes(ckpt))  # the adapters' shards alone
+    r = subprocess.run([sys.executable, *args, "--max_steps=3"], cwd=ROOT, capture_output=True,
+                       text=True, env=clean_env(), timeout=300)  # 2 ranks -> 1 process
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming GRPO from step 2" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "mini_grpo", "export", "--checkpoint", str(ckpt),
+                        "--output", str(tmp_path / "a2"), "--adapter"], cwd=ROOT,
+                       capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    step2 = load_file(str(tmp_path / "a2" / "adapter_model.safetensors"))
+    final = load_file(str(out / "adapter" / "adapter_model.safetensors"))  # after step 3
+    assert step2.keys() == final.keys()
+    assert any(not torch.equal(step2[k], final[k]) for k in final)  # step 3 trained on
