@@ -2,12 +2,14 @@
 
     python benchmark.py --config production.yaml          # every section, within --budget_s
     python benchmark.py --config default --only generation --repeats 5 --json bench/gen.json
+    python benchmark.py --config smollm2_135m --only generation   # native vs vLLM vs HF
     python benchmark.py --config default --only step --warmup 2 --steps 5
     torchrun --standalone --nproc_per_node=2 benchmark.py --config default --only step
     python benchmark.py --config default --only scaling   # the step section with 1 process,
                                                           # then 2 under torchrun
     python benchmark.py --config default --only ablations # each speed switch flipped alone
     python benchmark.py --only logits_memory               # chunked LM head: peak memory
+    python benchmark.py --config smollm2_135m --only lora   # full fine-tuning vs LoRA r=16
     python benchmark.py --compare A.json B.json           # ratios of B over A
 
 Every section builds its run with mini_grpo.run.setup from a copy of the config (overrides
@@ -22,7 +24,9 @@ a CPU; none on a GPU unless given). The plan and its estimate per section are pr
 whatever it shrinks or skips is said. Sizes given on the command line are kept as they are.
 Progress goes to stderr: one updating line on a terminal, plain lines otherwise.
 
-Generation: `batch` held-out prompts, exactly `new_tokens` new tokens each (EOS ignored, so
+Generation with init_from a Hugging Face directory: the rollout engines side by side (native,
+vLLM, transformers' generate; mini_grpo/benchmarks/engines.py). Otherwise `batch` held-out
+prompts, exactly `new_tokens` new tokens each (EOS ignored, so
 both paths do the same work), the config's model with random weights; tokens/s is the median
 over `repeats` runs after one warm-up, the two paths interleaved so machine noise hits both.
 Rewards: see mini_grpo/benchmarks/rewards.py. Step: real GRPO steps of the config from random
@@ -48,6 +52,7 @@ from dataclasses import asdict
 
 import torch
 
+from mini_grpo import fsdp
 from mini_grpo.benchmarks.budget import (
     SECTIONS,
     Plan,
@@ -59,9 +64,13 @@ from mini_grpo.benchmarks.budget import (
     plan,
     probe_machine,
 )
+from mini_grpo.benchmarks.engines import bench_engines, format_engines
+from mini_grpo.benchmarks.lora_vs_full import bench_lora, format_lora
+from mini_grpo.benchmarks.shapes import ensure as ensure_shape
 from mini_grpo.config import ConfigError, load_config, parse_cli
 from mini_grpo.dtype_probe import cpu_name
 from mini_grpo.rollout import generate
+from mini_grpo.run import is_model_dir
 
 # ---- sections ----
 
@@ -194,6 +203,7 @@ def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None
             run.freeze_reference()
             train_grpo(run)
             model, device, dist, prec = run.model, run.device, run.dist, run.precision
+            bytes_held = fsdp.memory_report(model)
             rows = [json.loads(line) for line in open(f"{tmp}/metrics.jsonl")] \
                 if dist.is_main else []
     if not dist.is_main:
@@ -201,7 +211,8 @@ def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None
     timed = [r for r in rows if "time/step" in r][warmup:]
     med = lambda key: statistics.median(h[key] for h in timed)
     step_s = [h["time/step"] for h in timed]
-    phases = ("generate", "reward", "reference", "comm_rollout", "policy", "optimizer", "comm")
+    phases = ("sync", "generate", "reward", "reference", "comm_rollout", "policy", "optimizer",
+              "comm")
     out = {"world_size": dist.world_size, "warmup": warmup, "steps": steps,
            "prompts_per_step": c.prompts_per_step, "group_size": c.group_size,
            "params_M": round(model.num_params() / 1e6, 3), "precision": prec.describe(),
@@ -245,6 +256,7 @@ def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None
     out["tokens_pushed_over_real"] = med("tokens/processed") / train_tok
     out["tokens_pushed_over_batch"] = med("tokens/processed") / med("tokens/train")
     out["memory"] = peak_memory(device)
+    out["bytes_MiB"] = {k: v / 2**20 for k, v in bytes_held.items()}  # rank 0's
     return out
 
 
@@ -384,7 +396,9 @@ def compare(path_a: str, path_b: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
-    ap.add_argument("--only", choices=[*SECTIONS, "scaling", "ablations", "logits_memory"])
+    ap.add_argument("--only", choices=[*SECTIONS, "scaling", "ablations", "logits_memory",
+                                       "lora"])
+    ap.add_argument("--rounds", type=int, default=2, help="--only lora: alternating rounds")
     ap.add_argument("--budget_s", type=float, default=None,
                     help="seconds the command should take (default 600 on a CPU, none on a "
                          "GPU); 0 = no budget, the full sizes")
@@ -416,6 +430,7 @@ def main(argv=None) -> int:
         cfg = overridden(cfg, compile_model=False)  # ~30 s cold start, slower on a CPU
         print("[bench] CPU: compile_model off (a ~30 s cold start per run, slower than "
               "eager on a CPU)", file=sys.stderr)
+    ensure_shape(cfg.init_from)  # a known model shape's directory, built on first use
     budget = args.budget_s if args.budget_s is not None else (600.0 if on_cpu else None)
     budget = budget or None  # 0 = none
     sections = (args.only,) if args.only in SECTIONS else SECTIONS if args.only is None else ()
@@ -450,7 +465,13 @@ def main(argv=None) -> int:
         result["section_s"][section] = time.perf_counter() - clock
         clock = time.perf_counter()
 
-    if "generation" in sections:
+    if "generation" in sections and cfg.init_from and is_model_dir(cfg.init_from):  # engines
+        result["engines"] = bench_engines(
+            cfg, task, args.repeats or 3,
+            lambda c: bench_step(c, args.warmup or 1, args.steps or 2, task=task))
+        print(format_engines(result["engines"]))
+        lap("generation")
+    elif "generation" in sections:
         result["generation"] = bench_generation(cfg, p, task)
         print(format_generation(result["generation"]))
         lap("generation")
@@ -460,6 +481,10 @@ def main(argv=None) -> int:
     if args.only == "scaling":
         result["scaling"] = bench_scaling(args, rest)
         print(format_scaling(result["scaling"]))
+    if args.only == "lora":
+        result["lora"] = bench_lora(__file__, args.config, rest, cfg.lora_r or 16,
+                                    args.warmup or 1, args.steps or 3, args.rounds)
+        print(format_lora(result["lora"]))
     if args.only == "logits_memory":
         from mini_grpo.benchmarks.logits import format_logits_memory, logits_memory
         result["logits_memory"] = logits_memory(device="cpu" if on_cpu else "cuda")

@@ -6,13 +6,13 @@
 The model is SmolLM2-135M's shape (a Llama: 30 layers, 576 wide, 9 heads of which 3 for keys
 and values, 1536 MLP, 49,152-token vocabulary, tied head) with random weights, and a word-level
 tokenizer of the same vocabulary with a ChatML template, built locally with transformers
-(nothing is downloaded) the first time. The work: one chat prompt, 8 completions of 96 new
-tokens, sampled at temperature 1 on 2 threads. Each command is timed from process start to
-exit (imports, model load, tokenizer, sampling), alternating, `--reps` times each: ours as a
-user runs it (the sampling precision its probe picked, from the cache a first, untimed-for-
-the-ratio run filled) and in fp32 (`--generation_amp=off`), transformers' in fp32 (its
-default). The medians and their ratios are printed and written as JSON.
-"""
+(nothing is downloaded) the first time (mini_grpo/benchmarks/shapes.py). The work: one chat
+prompt, 8 completions of 96 new tokens, sampled at temperature 1 on 2 threads. Each command is
+timed from process start to exit (imports, model load, tokenizer, sampling), alternating,
+`--reps` times each: ours as a user runs it (the sampling precision its probe picked, from the
+cache a first, untimed-for- the-ratio run filled) and in fp32 (`--generation_amp=off`),
+transformers' in fp32 (its default). The medians and their ratios are printed and written as
+JSON."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mini_grpo.benchmarks.shapes import build
 from mini_grpo.dtype_probe import cpu_name
 
 PROMPT = "e2e4 e7e5 g1f3 b8c6 f1b5 a7a6: write the FEN of the final position"
@@ -47,36 +48,6 @@ with torch.no_grad():
 texts = tok.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
 print(sum(len(t) for t in texts) > 0)
 """
-
-
-def build(model_dir: Path) -> None:
-    """SmolLM2-135M's shape with random weights and a 49,152-token word-level tokenizer."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials)}
-    for i in range(49152 - len(vocab)):
-        vocab[f"w{i}"] = len(vocab)
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>",
-                                                  additional_special_tokens=specials[1:])
-    hf_tok.chat_template = (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' + "
-        "message['content'] + ' <|im_end|> ' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}")
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(model_dir)
-    hf_tok.save_pretrained(model_dir)
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
@@ -101,7 +72,7 @@ def main() -> None:
     d = Path(args.model_dir)
     if not (d / "config.json").is_file():
         print(f"building {d} (SmolLM2-135M shape, random weights)", flush=True)
-        build(d)
+        build("smollm2-135m", d)
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     ours = [sys.executable, "-m", "mini_grpo", "sample", "--checkpoint", str(d),
             "--prompt", PROMPT, "--n", str(N), "--max_new_tokens", str(NEW)]

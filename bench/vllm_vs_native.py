@@ -4,16 +4,15 @@
         [--out bench/vllm_vs_native_<cpu>.json]
 
 Needs vLLM (`make setup VLLM=1`). The model is SmolLM2-135M's shape with random weights
-(bench/sample_vs_hf.py builds it locally the first time). The run is set up as training sets
-it up (`run.setup` with `rollout_engine: vllm`, fp32 everywhere, 2 threads on a CPU), and the
-work is what a step samples: 4 chess prompts through the chat template x 8 completions, up
-to 96 new tokens, temperature 1. Each rep times, alternating so that machine noise hits both:
-the vLLM engine's `sync` (every weight sent from memory) and its `generate`, and the native
-engine's `generate`. Reported: medians of seconds and of generated tokens per second (each
-engine's own completion lengths: random weights rarely stop early), the engine's start-up,
-and the log-prob gap between vLLM's samples and the policy's own pass (the correctness
-check riding along).
-"""
+(mini_grpo/benchmarks/shapes.py builds it locally the first time). The run is set up as
+training sets it up (`run.setup` with `rollout_engine: vllm`, fp32 everywhere, 2 threads on a
+CPU), and the work is what a step samples: 4 chess prompts through the chat template x 8
+completions, up to 96 new tokens, temperature 1. Each rep times, alternating so that machine
+noise hits both: the vLLM engine's `sync` (every weight sent from memory) and its `generate`,
+and the native engine's `generate`. Reported: medians of seconds and of generated tokens per
+second (each engine's own completion lengths: random weights rarely stop early), the engine's
+start-up, and the log-prob gap between vLLM's samples and the policy's own pass (the
+correctness check riding along)."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from sample_vs_hf import build
-        build(model_dir)
+        from mini_grpo.benchmarks.shapes import build
+        build("smollm2-135m", model_dir)
     from mini_grpo.run import setup
 
     out_dir = tempfile.mkdtemp(prefix="vllm_vs_native_")

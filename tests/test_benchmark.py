@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, tiny_lm_dir
 
 from mini_grpo.benchmarks.budget import SECTIONS, Probe, Shape, estimate, plan
 
@@ -86,3 +86,32 @@ def test_step_section_reports_consistent_phases_tokens_and_mfu(tmp_path):
                         str(a)], capture_output=True, text=True, timeout=120)
     assert c.returncode == 0 and "step.step_s.median" in c.stdout
     assert all(line.split()[-1] == "1.000" for line in c.stdout.splitlines()[1:])
+
+
+def test_full_fine_tuning_against_lora_side_by_side(tmp_path):
+    lm = tiny_lm_dir(tmp_path / "lm")
+    res, r = bench(tmp_path, "--only", "lora", "--rounds", "1", "--warmup", "1", "--steps",
+                   "1", f"--init_from={lm}", "--block_size=256", "--max_new_tokens=8",
+                   "--lora_r=4")
+    lo = res["lora"]
+    full, lora = lo["full"], lo["lora"]
+    assert lo["lora_r"] == 4 and len(full["runs"]) == len(lora["runs"]) == 1
+    assert full["bytes_MiB"]["frozen"] == 0 and lora["bytes_MiB"]["frozen"] > 0
+    # the adapters are a fraction of the model: so are their gradients and AdamW state
+    for k in ("params", "grads", "optimizer"):
+        assert lora["bytes_MiB"][k] < 0.5 * full["bytes_MiB"][k], k
+    assert lora["step_s"] > 0 and full["rss_peak_MiB"] > 0
+    assert "full fine-tuning vs LoRA r=4" in r.stdout and "frozen MiB" in r.stdout
+
+
+def test_the_rollout_engines_side_by_side_on_a_hugging_face_model(tmp_path):
+    lm = tiny_lm_dir(tmp_path / "lm", heads=2)  # head_dim 32: vLLM's CPU attention takes it
+    res, r = bench(tmp_path, "--only", "generation", "--repeats", "1", "--warmup", "1",
+                   "--steps", "1", "--budget_s", "0", f"--init_from={lm}", "--mode=grpo",
+                   "--block_size=256", "--max_new_tokens=8")
+    e = res["engines"]
+    engines = {"native", "transformers"} | ({"vllm"} if "vllm" in e["load_s"] else set())
+    assert set(e["tokens_per_s"]) == engines and e["over_native"]["native"] == 1.0
+    assert all(v > 0 for v in e["tokens_per_s"].values())
+    assert set(e["step"]) == engines - {"transformers"}
+    assert "rollout engines:" in r.stdout and "GRPO step with native" in r.stdout

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import metrics, tiny
+from conftest import metrics, tiny, tiny_lm_dir
 
 from mini_grpo.checkpoint import latest_checkpoint
 from mini_grpo.config import load_config
@@ -58,14 +58,24 @@ def test_each_switch_gives_a_working_run(tmp_path, switch, value):
     assert all(torch.isfinite(p).all() for p in state["model"].values())
 
 
-def test_compile_switch_runs(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        train(tiny(tmp_path / "run", compile_model=True, max_steps=1))
-    _, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
-    assert state["step"] == 1
-    rows = metrics(tmp_path / "run")
-    assert any("reward/mean" in r for r in rows)
+def test_compile_switch_trains_lora_adapters_as_eager_does(tmp_path):
+    # one process, compiled, on LoRA's adapters (torchrun, fsdp and our GPT compile in
+    # tests/test_fsdp.py): the same step as eager, gradient included
+    lm = tiny_lm_dir(tmp_path / "lm")
+    steps = {}
+    for compiled in (False, True):
+        out = tmp_path / str(compiled)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(tiny(out, compile_model=compiled, max_steps=1, init_from=str(lm), lora_r=4,
+                       block_size=256, max_new_tokens=12, eval_every=100))
+        assert not [w for w in caught if "uncompiled" in str(w.message)]  # it did compile
+        steps[compiled] = [r for r in metrics(out) if "time/step" in r]
+    _, state = latest_checkpoint(tmp_path / "True" / "checkpoints")
+    assert state["step"] == 1 and state["lora"]["r"] == 4
+    for eager, compiled in zip(steps[False], steps[True], strict=True):
+        for key in ("loss", "grad_norm", "reward/mean"):
+            assert abs(compiled[key] - eager[key]) <= 1e-4, (key, eager[key], compiled[key])
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
