@@ -63,6 +63,7 @@ from mini_grpo.benchmarks.budget import (
     overridden,
     plan,
     probe_machine,
+    step_in_own_process,
 )
 from mini_grpo.benchmarks.engines import bench_engines, format_engines
 from mini_grpo.benchmarks.lora_vs_full import bench_lora, format_lora
@@ -442,15 +443,19 @@ def main(argv=None) -> int:
     from mini_grpo.tasks import build_task
 
     task = build_task(cfg) if sections else None
+    # on a Hugging Face directory the generation section compares the rollout engines, with
+    # sizes of its own (the step's): the budget plans the other sections
+    engines = "generation" in sections and bool(cfg.init_from) and is_model_dir(cfg.init_from)
+    planned = tuple(x for x in sections if not (engines and x == "generation"))
     probe = None
-    if sections and budget:
+    if planned and budget:
         probe, shape, cfg = probe_machine(cfg, task)
         # the probe's own time counts against the budget
-        p = plan(probe, shape, budget - probe.seconds, sections, fixed, cfg.prompts_per_step)
+        p = plan(probe, shape, budget - probe.seconds, planned, fixed, cfg.prompts_per_step)
     else:
-        p = plan(Probe(0.0, 0.0, 0.0, 0.0), Shape(1, 1, cfg.group_size), None, sections, fixed,
+        p = plan(Probe(0.0, 0.0, 0.0, 0.0), Shape(1, 1, cfg.group_size), None, planned, fixed,
                  cfg.prompts_per_step)
-    if sections:
+    if planned:
         print(format_plan(p, probe, budget), file=sys.stderr, flush=True)
     result = {"config": args.config, "cpu": cpu_name(), "machine": platform.machine(),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -465,10 +470,10 @@ def main(argv=None) -> int:
         result["section_s"][section] = time.perf_counter() - clock
         clock = time.perf_counter()
 
-    if "generation" in sections and cfg.init_from and is_model_dir(cfg.init_from):  # engines
-        result["engines"] = bench_engines(
-            cfg, task, args.repeats or 3,
-            lambda c: bench_step(c, args.warmup or 1, args.steps or 2, task=task))
+    if engines:
+        result["engines"] = bench_engines(cfg, task, args.repeats or 3, lambda name: (
+            step_in_own_process(__file__, args.config, [*rest, f"--rollout_engine={name}"],
+                                args.warmup or 1, args.steps or 2)))
         print(format_engines(result["engines"]))
         lap("generation")
     elif "generation" in sections:

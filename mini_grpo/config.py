@@ -240,6 +240,9 @@ class GRPOConfig:
             if not ((0 < v if span[0] == "(" else 0 <= v) and
                     (v < 1 if span[-1] == ")" else v <= 1)):
                 raise ConfigError(f"{name}: must be in {span}, got {v}")
+        if not self.vllm_server_url.startswith(("http://", "https://")):
+            raise ConfigError(f"vllm_server_url: must be an http:// or https:// URL, got "
+                              f"{self.vllm_server_url!r}")
         if self.rollout_engine == "vllm" and not self.init_from:
             raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
                               "to a model directory (a run from scratch trains our "

@@ -76,6 +76,8 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be >= 0"]),
     ("", ["--vllm_mode=nowhere"], {}, ["vllm_mode", "colocate", "server"]),
     ("", ["--vllm_tensor_parallel_size=0"], {}, ["vllm_tensor_parallel_size: must be > 0"]),
+    ("", ["--vllm_server_url=localhost:8000"], {}, ["vllm_server_url: must be an http:// or "
+                                                    "https:// URL", "localhost:8000"]),
     ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true", "--init_from=x"], {},
      ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])
@@ -237,3 +239,11 @@ def test_a_wrong_task_arg_names_the_task_the_layer_and_the_tasks_own_options(tmp
     with pytest.raises(ConfigError, match="unknown task 'go' .available: chess_fen, "
                                           "countdown, jsonl"):
         load_config(None, {"task": "go"}, env={})
+
+
+def test_vllm_asked_for_but_not_importable_says_how_to_install_it(monkeypatch):
+    from mini_grpo.engines.vllm import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"needs the vllm package \(`make setup VLLM=1`"):
+        import_vllm()

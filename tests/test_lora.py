@@ -161,10 +161,16 @@ def test_a_base_kept_in_bf16_changes_nothing_under_bf16_autocast():
 @pytest.fixture(scope="module")
 def lm_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm")
-    return {t: tiny_lm_dir(root / t, model_type=t) for t in ("qwen2", "llama")}
+    return {t: tiny_lm_dir(root / t, model_type=t) for t in ("qwen2", "llama", "gpt2")}
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+# per family: a layer the merged export holds, and a subset of layers for peft's own adapter
+LAYERS = {"qwen2": ("model.layers.1.mlp.down_proj.weight", ["down_proj", "q_proj", "v_proj"]),
+          "llama": ("model.layers.1.mlp.down_proj.weight", ["down_proj", "q_proj", "v_proj"]),
+          "gpt2": ("transformer.h.1.mlp.c_fc.weight", ["c_attn", "c_fc"])}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gpt2"])
 def test_peft_reads_our_adapter_merges_as_we_do_and_we_read_its(lm_dirs, model_type, tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
@@ -186,18 +192,18 @@ def test_peft_reads_our_adapter_merges_as_we_do_and_we_read_its(lm_dirs, model_t
     save_hf(ours, tmp_path / "hf", state=merged_state_dict(ours))
     merged = load_file(str(tmp_path / "hf" / "model.safetensors"))
     unloaded = pm.merge_and_unload().state_dict()
-    assert "model.layers.1.mlp.down_proj.weight" in merged
-    for k, v in merged.items():
+    layer, targets = LAYERS[model_type]
+    assert layer in merged
+    for k, v in merged.items():  # GPT-2's Conv1D weights: both (in, out)
         torch.testing.assert_close(v, unloaded[k], atol=1e-6, rtol=0, msg=k)
     # an adapter peft made (random A and B, some of the layers) loads onto our model
     made = peft.get_peft_model(theirs(), peft.LoraConfig(
-        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-        init_lora_weights=False)).eval()
+        r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False,
+        fan_in_fan_out=model_type == "gpt2")).eval()
     made.save_pretrained(tmp_path / "theirs")
     mine = load_hf_model(d).eval()
     load_adapter(mine, tmp_path / "theirs")
-    assert sorted({n.rsplit(".", 1)[-1] for n in lora_modules(mine)}) == \
-        ["down_proj", "q_proj", "v_proj"]
+    assert sorted({n.rsplit(".", 1)[-1] for n in lora_modules(mine)}) == targets
     with torch.no_grad():
         torch.testing.assert_close(logits(mine), made(IDS).logits, atol=1e-4, rtol=0)
         assert not torch.allclose(logits(mine), theirs()(IDS).logits, atol=1e-3)

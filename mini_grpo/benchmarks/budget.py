@@ -237,6 +237,24 @@ def pin_precision(cfg, prec):
                       generation_amp="on" if prec.generation_dtype is not None else "off")
 
 
+def step_in_own_process(script: str, config: str, args: list[str], warmup: int,
+                        steps: int) -> dict:
+    """benchmark.py's (`script`) step section of `config` with `args` in a process of its own
+    (its peak RSS its own, its memory given back after), unplanned: `warmup` + `steps`."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, script, "--config", config, "--only", "step",
+                        "--budget_s", "0", "--warmup", str(warmup), "--steps", str(steps),
+                        *args, "--json", f"{tmp}/step.json"], check=True, env=os.environ.copy())
+        with open(f"{tmp}/step.json") as f:
+            return json.load(f)["step"]
+
+
 def overridden(cfg, **changes):
     """A copy of cfg with `changes`: the caller's config is never mutated."""
     c = copy.deepcopy(cfg)

@@ -19,7 +19,7 @@ one GRPO step section (benchmark.py's) per engine that the machine has.
 On a CPU vLLM's gains over our loop are small: no CUDA graphs, no fused GPU kernels, and a
 batch of 32 rows leaves little for continuous batching to win. On a GPU, measure with
 `python benchmark.py --config qwen25_05b --only generation --prompts_per_step=32
---group_size=16 --max_new_tokens=1024 --budget_s 0`.
+--group_size=16 --max_new_tokens=1024 --block_size=1280`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from .budget import overridden
 
 
 def bench_engines(cfg, task, repeats: int, step_fn) -> dict:
-    """`step_fn(cfg) -> dict`: benchmark.py's step section, run once per engine."""
+    """`step_fn(engine name) -> dict`: benchmark.py's step section with that rollout engine
+    (each in a process of its own, run before this one loads any model: a full fine-tuning
+    step beside engines that have sampled would not fit where memory is tight)."""
     from ..engines import Sampling
     from ..engines.native import NativeEngine
     from ..run import setup
@@ -44,6 +46,8 @@ def bench_engines(cfg, task, repeats: int, step_fn) -> dict:
     if not has_vllm:
         print("[bench] engines: vllm is not installed (make setup VLLM=1): its rows are "
               "skipped", file=sys.stderr, flush=True)
+    # the GRPO steps first, while this process holds nothing (each in a process of its own)
+    steps = {name: step_fn(name) for name in (["native", "vllm"] if has_vllm else ["native"])}
     G = cfg.group_size
     examples = task.train[:cfg.prompts_per_step]
     s = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
@@ -90,8 +94,6 @@ def bench_engines(cfg, task, repeats: int, step_fn) -> dict:
             if "vllm" in engines:
                 engines["vllm"].close()
     del hf
-    steps = {name: step_fn(overridden(cfg, rollout_engine=name))
-             for name in (["native", "vllm"] if has_vllm else ["native"])}
     med = {k: statistics.median(v) for k, v in rates.items()}
     return {"model": cfg.init_from, "rows": len(prompts), "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature, "repeats": repeats, "precision": precision,

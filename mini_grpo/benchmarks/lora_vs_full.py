@@ -12,12 +12,10 @@ the trained parameters, their gradients, AdamW's state and the frozen base
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
+
+from .budget import step_in_own_process
 
 
 def bench_lora(script: str, config: str, rest: list[str], lora_r: int, warmup: int,
@@ -27,18 +25,11 @@ def bench_lora(script: str, config: str, rest: list[str], lora_r: int, warmup: i
     rest = [a for a in rest if not a.startswith("--lora_r")]
     sides = {"full": ["--lora_r=0"], "lora": [f"--lora_r={lora_r}"]}
     runs: dict[str, list[dict]] = {k: [] for k in sides}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(rounds):
-            for name, extra in sides.items():
-                out = f"{tmp}/{name}{i}.json"
-                print(f"[bench] lora: round {i + 1}/{rounds}, {name}", file=sys.stderr,
-                      flush=True)
-                subprocess.run([sys.executable, script, "--config", config, "--only", "step",
-                                "--budget_s", "0", "--warmup", str(warmup), "--steps",
-                                str(steps), *rest, *extra, "--json", out], check=True,
-                               env=os.environ.copy())
-                with open(out) as f:
-                    runs[name].append(json.load(f)["step"])
+    for i in range(rounds):
+        for name, extra in sides.items():
+            print(f"[bench] lora: round {i + 1}/{rounds}, {name}", file=sys.stderr, flush=True)
+            runs[name].append(step_in_own_process(script, config, [*rest, *extra], warmup,
+                                                  steps))
     result = {"lora_r": lora_r, "rounds": rounds, "warmup": warmup, "steps": steps}
     for name, rs in runs.items():
         result[name] = {
