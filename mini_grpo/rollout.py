@@ -13,6 +13,7 @@ sample from uniform logits instead and the Rollout says so (`nonfinite`), for th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,34 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                          f"{model.cfg.block_size}")
     was_training = model.training
     model.eval()
+    amp = torch.is_autocast_enabled(device.type)
+    with _casts_cached(model, amp):
+        return _generate(model, prompts, ids, pmask, N, eos_id, pad_id, temperature, top_k,
+                         top_p, greedy, generator, use_cache, amp, was_training)
 
+
+@contextmanager
+def _casts_cached(model: CausalLM, amp: bool):
+    """Autocast caches its casts of trainable weights for the whole autocast region, but
+    casts frozen ones (LoRA's base and head, a frozen reference) again at every call: for
+    one generation they count as trainable (no graph is built under no_grad), so each is
+    cast once. A frozen fp32 LM head cast per decoded token cost 24.5 ms of a SmolLM2-135M
+    step on the 2-core Xeon, against 2.2 ms cached."""
+    frozen = [p for p in model.parameters()
+              if amp and not p.requires_grad and p.dtype == torch.float32] \
+        if not torch.is_grad_enabled() else []
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def _generate(model, prompts, ids, pmask, N, eos_id, pad_id, temperature, top_k, top_p,
+              greedy, generator, use_cache, amp, was_training) -> Rollout:
+    device, (B, P) = ids.device, ids.shape
     out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
     out_mask = torch.zeros((B, N), dtype=torch.bool, device=device)
     out_lp = torch.zeros((B, N), dtype=torch.float32, device=device)
@@ -112,7 +140,6 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
 
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
-    amp = torch.is_autocast_enabled(device.type)
     cache_dtype = torch.get_autocast_dtype(device.type) if amp else None
     cache = model.new_cache(B, P + N, dtype=cache_dtype) if use_cache else None
     logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)

@@ -219,3 +219,26 @@ def test_every_eos_id_ends_a_row():
     assert r.finished.all() and r.completion_ids[:, 0].tolist() == [EOS] * 3
     r = generate(m, PROMPTS, 5, [7], PAD, greedy=True)  # EOS alone no longer ends a row
     assert not r.finished.any() and r.completion_ids.size(1) == 5
+
+
+def test_frozen_weights_are_cast_once_per_generation_and_stay_frozen():
+    # under autocast a frozen weight (LoRA's base and head) is cast once for the whole
+    # generation, as a trainable one is: the same tokens, and its flags as they were
+    from mini_grpo.lora import apply_lora
+
+    m = tiny_gpt()
+    apply_lora(m, r=2, alpha=4)
+    frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
+    assert "lm_head.weight" in frozen or "wte.weight" in frozen
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    outs = []
+    for flip in (True, False):
+        if not flip:  # all trainable: autocast caches every cast
+            m.requires_grad_(True)
+        g = torch.Generator().manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(generate(m, prompts, 8, eos_id=2, pad_id=0, generator=g))
+        if flip:
+            assert {n for n, p in m.named_parameters() if not p.requires_grad} == frozen
+    assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
+    assert torch.equal(outs[0].logprobs, outs[1].logprobs)
