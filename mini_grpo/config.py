@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .fields import MAX_DEPTH, ConfigError, coerce, show, unreadable
+from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
 from .task_registry import MAX_GENERATED, resolve_task_args
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -215,7 +215,7 @@ class GRPOConfig:
                     "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
                     "reward_concurrency", "vllm_server_timeout", "vllm_tensor_parallel_size",
                     "dist_timeout", "guard_patience", "rft_oversample",
-                    "rft_prompts_per_batch", "temperature"]
+                    "rft_prompts_per_batch", "temperature", "lora_alpha"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -251,8 +251,6 @@ class GRPOConfig:
             raise ConfigError(f"{'lora_r' if self.lora_r else 'adapter'}: LoRA adapts a "
                               f"pretrained model: set init_from to a Hugging Face directory "
                               f"or one of our checkpoints")
-        if self.lora_alpha <= 0:
-            raise ConfigError(f"lora_alpha: must be > 0, got {self.lora_alpha}")
         if self.lora_target_modules is not None and not (
                 self.lora_target_modules and
                 all(isinstance(t, str) and t for t in self.lora_target_modules)):
@@ -335,55 +333,6 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"config file not found: {name} (names in configs/: {available})")
 
 
-def _read_yaml(path: Path) -> dict[str, tuple[Any, int]]:
-    """Returns {key: (value, line)} from a YAML mapping, with errors that name file and line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not valid UTF-8") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}{line}: malformed YAML: {problem}") from None
-    except RecursionError:  # YAML's composer recurses per level: ~500 levels overflow it
-        raise ConfigError(f"{path}: nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as e:  # a constructor's: an int over the int-string limit, a bad date
-        raise ConfigError(f"{path}: {unreadable(e)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must be a mapping of key: value, got {type(data).__name__}")
-    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value}
-    return {str(k): (v, lines.get(str(k), 0)) for k, v in data.items()}
-
-
-def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str]]:
-    """Splits `--config X` and `--key=value` / `--key value` arguments."""
-    config, overrides, i = None, {}, 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r} (use --key=value)")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"--{key}: missing value (use --{key}=value)")
-            value, i = argv[i + 1], i + 1
-        key = key.replace("-", "_")
-        if key == "config":
-            config = value
-        else:
-            overrides[key] = value
-        i += 1
-    return config, overrides
-
-
 # options that moved into chess_fen's task_args; checkpoints saved before carry them on top
 LEGACY_TASK_ARGS = ("num_train", "min_plies", "max_plies", "move_format", "pgn_path")
 
@@ -455,7 +404,7 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
     layers.end_layer(base_where.rstrip(": ") or "the stored config")
     if config:
         path = resolve_config_path(config)
-        rows = _read_yaml(path)
+        rows = read_yaml_mapping(path)
         for key, (value, line) in rows.items():
             layers.set(key, value, f"{path}:{line}: ")
         layers.end_layer(str(path))

@@ -1,5 +1,6 @@
 """Typed values from YAML, environment and command-line text: the one set of rules the
-config's fields and every task's `task_args` are checked with. Bad input is a ConfigError
+config's fields and every task's `task_args` are checked with; a YAML file read as a mapping
+with each key's line, and `--key=value` arguments split. Bad input is a ConfigError
 whose message names the key (and, through `where`, the file, line or variable).
 
 A leaf: it imports nothing of mini_grpo, so every module may take ConfigError from here.
@@ -12,6 +13,7 @@ import reprlib
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -164,3 +166,52 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
 def _type_name(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
             list: "a list", dict: "a mapping"}.get(tp, str(tp))
+
+
+def read_yaml_mapping(path: Path) -> dict[str, tuple[Any, int]]:
+    """Returns {key: (value, line)} from a YAML mapping, with errors that name file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{line}: malformed YAML: {problem}") from None
+    except RecursionError:  # YAML's composer recurses per level: ~500 levels overflow it
+        raise ConfigError(f"{path}: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # a constructor's: an int over the int-string limit, a bad date
+        raise ConfigError(f"{path}: {unreadable(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must be a mapping of key: value, got {type(data).__name__}")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value}
+    return {str(k): (v, lines.get(str(k), 0)) for k, v in data.items()}
+
+
+def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str]]:
+    """Splits `--config X` and `--key=value` / `--key value` arguments."""
+    config, overrides, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r} (use --key=value)")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--{key}: missing value (use --{key}=value)")
+            value, i = argv[i + 1], i + 1
+        key = key.replace("-", "_")
+        if key == "config":
+            config = value
+        else:
+            overrides[key] = value
+        i += 1
+    return config, overrides
