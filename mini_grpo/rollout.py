@@ -98,34 +98,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                          f"{model.cfg.block_size}")
     was_training = model.training
     model.eval()
-    amp = torch.is_autocast_enabled(device.type)
-    with _casts_cached(model, amp):
-        return _generate(model, prompts, ids, pmask, N, eos_id, pad_id, temperature, top_k,
-                         top_p, greedy, generator, use_cache, amp, was_training)
 
-
-@contextmanager
-def _casts_cached(model: CausalLM, amp: bool):
-    """Autocast caches its casts of trainable weights for the whole autocast region, but
-    casts frozen ones (LoRA's base and head, a frozen reference) again at every call: for
-    one generation they count as trainable (no graph is built under no_grad), so each is
-    cast once. A frozen fp32 LM head cast per decoded token cost 24.5 ms of a SmolLM2-135M
-    step on the 2-core Xeon, against 2.2 ms cached."""
-    frozen = [p for p in model.parameters()
-              if amp and not p.requires_grad and p.dtype == torch.float32] \
-        if not torch.is_grad_enabled() else []
-    for p in frozen:
-        p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for p in frozen:
-            p.requires_grad_(False)
-
-
-def _generate(model, prompts, ids, pmask, N, eos_id, pad_id, temperature, top_k, top_p,
-              greedy, generator, use_cache, amp, was_training) -> Rollout:
-    device, (B, P) = ids.device, ids.shape
     out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
     out_mask = torch.zeros((B, N), dtype=torch.bool, device=device)
     out_lp = torch.zeros((B, N), dtype=torch.float32, device=device)
@@ -140,37 +113,57 @@ def _generate(model, prompts, ids, pmask, N, eos_id, pad_id, temperature, top_k,
 
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
+    amp = torch.is_autocast_enabled(device.type)
     cache_dtype = torch.get_autocast_dtype(device.type) if amp else None
     cache = model.new_cache(B, P + N, dtype=cache_dtype) if use_cache else None
-    logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)
-    steps = 0
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    for t in range(N):
-        last = logits[:, -1].float()
-        finite = torch.isfinite(last).all(-1, keepdim=True)  # (B, 1)
-        bad |= ~finite.all()
-        last = torch.where(finite, last, 0.0)
-        tok, lp = _pick(last, temperature, top_k, top_p, greedy, generator)
-        tok = tok.masked_fill(done, pad_id)
-        out[:, t] = tok
-        out_mask[:, t] = ~done
-        out_lp[:, t] = lp.masked_fill(done, 0.0)
-        key_valid[:, P + t] = ~done
-        done |= torch.isin(tok, eos)
-        steps = t + 1
-        if t == N - 1 or bool(done.all() | bad):  # the one host sync per token: EOS check
-            break
-        if use_cache:
-            mask = attention_mask(key_valid[:, :P + t + 1], 1)
-            logits = model(tok[:, None], all_pos[:, P + t:P + t + 1], mask, cache)
-        else:
-            S = P + t + 1
-            seq[:, P + t] = tok
-            logits = model(seq[:, :S], all_pos[:, :S], attention_mask(key_valid[:, :S], S),
-                           logits_from=S - 1)
+    with _casts_cached(model, amp):  # frozen weights: cast once, not at every token
+        logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)
+        steps = 0
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        for t in range(N):
+            last = logits[:, -1].float()
+            finite = torch.isfinite(last).all(-1, keepdim=True)  # (B, 1)
+            bad |= ~finite.all()
+            last = torch.where(finite, last, 0.0)
+            tok, lp = _pick(last, temperature, top_k, top_p, greedy, generator)
+            tok = tok.masked_fill(done, pad_id)
+            out[:, t] = tok
+            out_mask[:, t] = ~done
+            out_lp[:, t] = lp.masked_fill(done, 0.0)
+            key_valid[:, P + t] = ~done
+            done |= torch.isin(tok, eos)
+            steps = t + 1
+            if t == N - 1 or bool(done.all() | bad):  # the one host sync per token: EOS check
+                break
+            if use_cache:
+                mask = attention_mask(key_valid[:, :P + t + 1], 1)
+                logits = model(tok[:, None], all_pos[:, P + t:P + t + 1], mask, cache)
+            else:
+                S = P + t + 1
+                seq[:, P + t] = tok
+                logits = model(seq[:, :S], all_pos[:, :S], attention_mask(key_valid[:, :S], S),
+                               logits_from=S - 1)
     model.train(was_training)
     return Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps],
                    done.clone(), nonfinite=bad)
+
+
+@contextmanager
+def _casts_cached(model: CausalLM, amp: bool):
+    """Autocast caches its casts of trainable weights for the whole autocast region, but
+    casts frozen ones (LoRA's base and head, a frozen reference) again at every call: for
+    one generation they count as trainable (no graph is built under no_grad), so each is
+    cast once. A frozen fp32 LM head cast per decoded token cost 24.5 ms of a SmolLM2-135M
+    step on the 2-core Xeon, against 2.2 ms cached."""
+    frozen = [p for p in model.parameters()
+              if amp and not p.requires_grad and p.dtype == torch.float32]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, pad_id):
