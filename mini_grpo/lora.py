@@ -70,9 +70,6 @@ class LoRALinear(nn.Linear):
             return out
         return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
-    def delta(self) -> torch.Tensor:
-        """The update to the base weight: scaling * B @ A, (out, in)."""
-        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
 
 def _linears(model) -> dict[str, nn.Linear]:
@@ -182,11 +179,6 @@ def adapters_disabled(model):
             m.enabled = on
 
 
-def lora_state_dict(model) -> dict[str, torch.Tensor]:
-    """The adapters' tensors only, under our module names."""
-    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
-
-
 @torch.no_grad()
 def merged_state_dict(model, state: dict | None = None) -> dict[str, torch.Tensor]:
     """The state dict of the plain model (from `state`, the model's full one if given: a
@@ -276,24 +268,25 @@ def load_adapter(model, directory: str | Path, r: int = 0, weights: bool = True)
         f = safe_open(str(file), "pt")
     except Exception as e:  # a header safetensors cannot parse
         raise ValueError(f"{file}: not a safetensors file ({str(e).splitlines()[0]})") from None
-    keys = set(f.keys())
-    # PEFT may name the adapter (".lora_A.default.weight"): the default adapter is ours
-    alias = {k.replace(".default.weight", ".weight"): k for k in keys}
-    missing = sorted(set(want) - set(alias))
-    extra = sorted(set(alias) - set(want))
-    if missing or extra:
-        raise ValueError(f"{file}: {'missing ' + missing[0] if missing else ''}"
-                         f"{'; ' if missing and extra else ''}"
-                         f"{'unexpected ' + extra[0] if extra else ''} (an adapter for "
-                         f"another model?)")
-    for key, param in want.items():
-        shape = tuple(f.get_slice(alias[key]).get_shape())
-        if shape != tuple(param.shape):
-            raise ValueError(f"{file}: {key} has shape {shape}, this model's "
-                             f"{tuple(param.shape)} (an adapter for another base)")
-        if weights:
-            t = f.get_tensor(alias[key])
-            if not t.is_floating_point() or not torch.isfinite(t).all():
-                raise ValueError(f"{file}: {key} is not finite floating-point values")
-            param.copy_(t)
+    with f:
+        keys = set(f.keys())
+        # PEFT may name the adapter (".lora_A.default.weight"): the default adapter is ours
+        alias = {k.replace(".default.weight", ".weight"): k for k in keys}
+        missing = sorted(set(want) - set(alias))
+        extra = sorted(set(alias) - set(want))
+        if missing or extra:
+            raise ValueError(f"{file}: {'missing ' + missing[0] if missing else ''}"
+                             f"{'; ' if missing and extra else ''}"
+                             f"{'unexpected ' + extra[0] if extra else ''} (an adapter for "
+                             f"another model?)")
+        for key, param in want.items():
+            shape = tuple(f.get_slice(alias[key]).get_shape())
+            if shape != tuple(param.shape):
+                raise ValueError(f"{file}: {key} has shape {shape}, this model's "
+                                 f"{tuple(param.shape)} (an adapter for another base)")
+            if weights:
+                t = f.get_tensor(alias[key])
+                if not t.is_floating_point() or not torch.isfinite(t).all():
+                    raise ValueError(f"{file}: {key} is not finite floating-point values")
+                param.copy_(t)
     return sorted(lora_modules(model))
