@@ -247,27 +247,7 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
     alone: its base is read from init_from again. `meta`: where `weights_from_rank0`
     allows, the model without weights, on the meta device."""
     adapters = checkpoint if checkpoint is not None and checkpoint.get("lora") else None
-    model, tok = _base_policy(cfg, data, None if adapters else checkpoint, meta)
-    if cfg.lora_r or cfg.adapter:
-        torch.manual_seed(cfg.seed)  # the same adapters on every rank
-        try:
-            if cfg.adapter:
-                load_adapter(model, cfg.adapter, cfg.lora_r, weights=not meta)
-            else:
-                apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                           cfg.lora_target_modules)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if adapters is not None:
-        if model.lora != adapters["lora"]:
-            raise CheckpointError(f"checkpoint: its adapters ({adapters['lora']}) are not "
-                                  f"those its config describes ({model.lora})")
-        load_weights(adapters, model)
-    return model, tok
-
-
-def _base_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None,
-                 meta: bool) -> tuple[CausalLM, Tokenizer]:
+    checkpoint = None if adapters else checkpoint  # a LoRA checkpoint's base is init_from's
     source = "checkpoint"
     meta = meta and weights_from_rank0(cfg, checkpoint)
     if checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
@@ -308,6 +288,21 @@ def _base_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
     if cfg.block_size > model.cfg.block_size:
         raise ConfigError(f"block_size: {cfg.block_size} exceeds the model's longest "
                           f"sequence ({model.cfg.block_size})")
+    if cfg.lora_r or cfg.adapter:
+        torch.manual_seed(cfg.seed)  # the same adapters on every rank
+        try:
+            if cfg.adapter:
+                load_adapter(model, cfg.adapter, cfg.lora_r, weights=not meta)
+            else:
+                apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                           cfg.lora_target_modules)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if adapters is not None:
+        if model.lora != adapters["lora"]:
+            raise CheckpointError(f"checkpoint: its adapters ({adapters['lora']}) are not "
+                                  f"those its config describes ({model.lora})")
+        load_weights(adapters, model)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model, tok
 
