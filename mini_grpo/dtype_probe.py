@@ -58,8 +58,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# bumped when the timed code changes enough to turn a verdict (2: bf16 sampling on
+# prepacked weights, models/packed.py), so that figures of the old code are not reused
+CODE_VERSION = 2
+
+
 def cache_key(model, parts: tuple[str, ...], shape: dict) -> str:
-    return json.dumps({"cpu": cpu_name(), "family": model.family, "config": asdict(model.cfg),
+    return json.dumps({"code": CODE_VERSION, "cpu": cpu_name(), "family": model.family,
+                       "config": asdict(model.cfg),
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "parts": list(parts), **shape}, sort_keys=True)
 

@@ -70,6 +70,20 @@ class LoRALinear(nn.Linear):
             return out
         return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
+    def merged_weight(self) -> torch.Tensor:
+        """What the layer computes (dropout aside) as one weight: W + alpha/r * B @ A, or W
+        with the adapter off (models/packed.py samples on it)."""
+        if not self.enabled:
+            return self.weight
+        return fold(self.weight, self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+
+def fold(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B @ A, summed in fp32 (autocast or not), in the wider of W's and the
+    adapter's dtypes."""
+    with torch.autocast(w.device.type, enabled=False):
+        delta = (b.detach().float() @ a.detach().float()) * scaling
+    return (w.detach().float() + delta).to(torch.promote_types(w.dtype, b.dtype))
 
 
 def _linears(model) -> dict[str, nn.Linear]:
@@ -153,10 +167,8 @@ def merged(model, items):
         if part == "A.weight":
             a[prefix] = t
         elif part == "B.weight":
-            w, m = held.pop(prefix), mods[prefix]
-            delta = (t.float() @ a.pop(prefix).float()) * m.scaling
-            yield f"{prefix}.weight", (w.float() + delta).to(torch.promote_types(w.dtype,
-                                                                               t.dtype))
+            yield f"{prefix}.weight", fold(held.pop(prefix), a.pop(prefix), t,
+                                           mods[prefix].scaling)
         elif name.endswith(".weight") and name[:-len(".weight")] in mods:
             held[name[:-len(".weight")]] = t
         else:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .logprobs import completion_logprobs
 from .models import CausalLM, attention_mask, positions
+from .models.packed import packed
 from .tokenizer import Tokenizer
 
 
@@ -116,7 +117,9 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     amp = torch.is_autocast_enabled(device.type)
     cache_dtype = torch.get_autocast_dtype(device.type) if amp else None
     cache = model.new_cache(B, P + N, dtype=cache_dtype) if use_cache else None
-    with _casts_cached(model, amp):  # frozen weights: cast once, not at every token
+    # frozen weights cast once, not at every token; on a CPU in bf16, every linear layer
+    # on weights cast and prepacked once (models/packed.py)
+    with _casts_cached(model, amp), packed(model, cache_dtype, rows=B):
         logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)
         steps = 0
         bad = torch.zeros((), dtype=torch.bool, device=device)

@@ -87,6 +87,9 @@ class RMSNorm(nn.Module):
 
 
 class SelfAttention(Attention):
+    fuse = ("q_proj", "k_proj", "v_proj")  # one input: one matmul on packed weights (packed.py)
+    fused = None  # ... that packed.packed sets while sampling on a CPU
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.dropout)
         hs = cfg.head_dim
@@ -100,9 +103,13 @@ class SelfAttention(Attention):
 
     def project(self, x):
         hs = self.head_dim
-        q = self.q_proj(x).unflatten(-1, (self.n_head, hs))  # (..., nh, hs)
-        k = self.k_proj(x).unflatten(-1, (self.n_kv_head, hs))  # (..., nkv, hs)
-        v = self.v_proj(x).unflatten(-1, (self.n_kv_head, hs))
+        if self.fused is not None:
+            q, k, v = self.fused(x).unflatten(-1, (-1, hs)).split(
+                [self.n_head, self.n_kv_head, self.n_kv_head], -2)
+        else:
+            q = self.q_proj(x).unflatten(-1, (self.n_head, hs))  # (..., nh, hs)
+            k = self.k_proj(x).unflatten(-1, (self.n_kv_head, hs))  # (..., nkv, hs)
+            v = self.v_proj(x).unflatten(-1, (self.n_kv_head, hs))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -112,6 +119,9 @@ class SelfAttention(Attention):
 
 
 class MLP(nn.Module):
+    fuse = ("gate_proj", "up_proj")
+    fused = None
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_inner, bias=cfg.mlp_bias)
@@ -119,7 +129,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.n_inner, cfg.n_embd, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is not None:
+            gate, up = self.fused(x).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
