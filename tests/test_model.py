@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from mini_grpo.models import GPT, GPTConfig, attention_mask, positions
@@ -82,12 +83,15 @@ def test_manual_attention_matches_sdpa_with_and_without_padding():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_bf16_decode_step_on_a_cpu_attends_as_sdpa_does():
-    """A decode step (one query a row) in bf16 on a CPU takes grouped matmuls instead of
-    SDPA's kernel (Attention._attend); grouped-query heads, a padded key and the cache's
-    strided keys included, it must attend exactly as SDPA does."""
-    from mini_grpo.models import Llama, LlamaConfig
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_decode_step_on_a_cpu_attends_as_sdpa_does(amx, monkeypatch):
+    """A decode step (one query a row) in bf16 on a CPU without AMX takes grouped matmuls
+    instead of SDPA's kernel (Attention._attend), with AMX SDPA itself; grouped-query heads,
+    a padded key and the cache's strided keys included, both must attend as SDPA in fp32."""
+    from mini_grpo.models import Llama, LlamaConfig, core
     from mini_grpo.models.core import Attention
+
+    monkeypatch.setattr(core, "_AMX", amx)
 
     torch.manual_seed(0)
     att = Llama(LlamaConfig(vocab_size=24, block_size=64, n_layer=1, n_head=6, n_kv_head=2,
