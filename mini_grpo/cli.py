@@ -19,7 +19,9 @@ errors are caught before the trainer (and torch's start-up cost) is even importe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 
 import yaml
@@ -246,4 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        code = COMMANDS[argv[0]](argv[1:])
+        sys.stdout.flush()
+    except BrokenPipeError:  # `mini-grpo sample ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    # the command is done with what it built: the interpreter's exit need not search it all
+    # for reference cycles again (0.2 s of the 0.35 s it spends exiting after torch)
+    gc.freeze()
+    return code
