@@ -117,9 +117,10 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     amp = torch.is_autocast_enabled(device.type)
     cache_dtype = torch.get_autocast_dtype(device.type) if amp else None
     cache = model.new_cache(B, P + N, dtype=cache_dtype) if use_cache else None
-    # frozen weights cast once, not at every token; on a CPU in bf16, every linear layer
-    # on weights cast and prepacked once (models/packed.py)
-    with _casts_cached(model, amp), packed(model, cache_dtype, rows=B):
+    # frozen weights cast once, not at every token; on a CPU, linear layers on weights cast
+    # and prepacked once (models/packed.py: all of them in bf16, the LM head in fp32)
+    with _casts_cached(model, amp), packed(model, cache_dtype or model.lm_head.weight.dtype,
+                                           rows=B):
         logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)
         steps = 0
         bad = torch.zeros((), dtype=torch.bool, device=device)

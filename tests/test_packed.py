@@ -94,12 +94,22 @@ def test_nothing_is_left_behind_and_gradients_flow_after():
     assert m.layers[0].self_attn.q_proj.lora_B.weight.grad is not None
 
 
-def test_packing_applies_to_bf16_on_a_cpu_alone():
+def test_fp32_packs_the_lm_head_alone_and_other_dtypes_nothing():
     m = llama()
-    assert usable(m, BF16)
-    assert not usable(m, torch.float32) and not usable(m, None)
-    with packed(m, torch.float32):
+    assert usable(m, BF16) and usable(m, torch.float32)
+    assert not usable(m, torch.float16) and not usable(m, None)
+    with packed(m, torch.float16):
         assert m.layers[0].mlp.fused is None and "forward" not in m.lm_head.__dict__
+    x = torch.randint(0, 64, (3, 7))
+    with torch.no_grad():
+        plain = m(x)
+        with packed(m, torch.float32, rows=3):
+            assert isinstance(m.lm_head.forward, PackedLinear)
+            assert m.layers[0].mlp.fused is None
+            assert all("forward" not in c.__dict__ for c in m.layers.modules())
+            fast = m(x)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, plain, rtol=0, atol=1e-5)
 
 
 def test_adapters_off_pack_the_base():
