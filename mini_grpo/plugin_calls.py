@@ -32,7 +32,10 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
             values = list(values)
         except TypeError:
             return None, f"returned {type(values).__name__}, expected a list of {n} floats"
+    text = (str, bytes, bytearray)  # "0.5" is no reward, though numpy would read it as one
     try:
+        if any(isinstance(v, text) for v in values):
+            raise ValueError
         arr = np.array(values, dtype=np.float64)  # a copy; None becomes NaN
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
         arr = np.array([_float_or_nan(v) for v in values]) if len(values) == n else None
@@ -50,6 +53,8 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
 
 
 def _float_or_nan(v) -> float:
+    if isinstance(v, (str, bytes, bytearray)):
+        return float("nan")
     try:
         return float(v)
     except (TypeError, ValueError, OverflowError):

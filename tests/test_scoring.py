@@ -61,6 +61,10 @@ def inf_on_bad(prompts, completions, targets, metas):
     return np.array([math.inf if c == "bad" else 1.0 for c in completions])
 
 
+def string_on_bad(prompts, completions, targets, metas):
+    return ["0.5" if c == "bad" else 1.0 for c in completions]  # a number's text is no reward
+
+
 def sleepy(prompts, completions, targets, metas):
     time.sleep(1.2 if "bad" in completions else 0.0)
     return [1.0] * len(completions)
@@ -262,8 +266,8 @@ def test_wrong_number_of_values_fails_the_chunk():
     assert res.metrics["reward/short/failures"] == 4
 
 
-@pytest.mark.parametrize("fn", [nan_on_bad, none_on_bad, inf_on_bad])
-def test_nan_none_inf_fail_only_their_rows(fn, caplog):
+@pytest.mark.parametrize("fn", [nan_on_bad, none_on_bad, inf_on_bad, string_on_bad])
+def test_nan_none_inf_strings_fail_only_their_rows(fn, caplog):
     with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
         res = RewardScorer([spec(fn)], workers=2, on_error=0.25).score(*rows(BATCH))
     np.testing.assert_array_equal(res.columns[fn.__name__], [1, 1, 1, 0.25])
