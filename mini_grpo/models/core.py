@@ -23,7 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-
 # the CPU has AMX tiles (Sapphire Rapids and later), where SDPA's bf16 kernel is the fastest
 _AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
