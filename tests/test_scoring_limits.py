@@ -157,8 +157,12 @@ def ctrl_c(prompts, completions, targets, metas):
 
 
 CTRL_C = """
-import sys, time
+import signal, sys, time
 from mini_grpo.scoring import RewardScorer
+
+# Ctrl-C as in a terminal, even where this suite was started in the background: a shell then
+# starts it with SIGINT ignored, which every child inherits (no KeyboardInterrupt at all)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 with RewardScorer([{"name": "test_scoring_limits:ctrl_c"}], executor=sys.argv[1], workers=2,
                   timeout=30) as scorer:
