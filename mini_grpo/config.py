@@ -348,6 +348,7 @@ class _Layers:
 
     def __init__(self):
         self.values: dict[str, Any] = {}
+        self.where: dict[str, str] = {}  # key: the file and line or layer that set it last
         self.args: dict[str, tuple[Any, str, str, str]] = {}  # key: value, where, layer, task
         self.pending: dict[str, tuple[Any, str]] = {}  # this layer's: key: value, where
 
@@ -366,10 +367,12 @@ class _Layers:
             current = self.values.get("reward_executor", _FIELDS["reward_executor"].default)
             self.values["reward_executor"] = ("process" if current == "serial" else current) \
                 if on else "serial"
+            self.where["reward_executor"] = where
             return
         if key not in _FIELDS:
             raise _unknown_key(key, where)
         self.values[key] = coerce(key, value, _TYPES[key], where)
+        self.where[key] = where
 
     def end_layer(self, layer: str) -> None:
         task = self.values.get("task", _FIELDS["task"].default)
@@ -420,7 +423,14 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
     layers.end_layer("the command line")
     task_args, task_args_from, dropped = layers.task_args()
     cfg = GRPOConfig(**{**layers.values, "task_args": task_args})
-    cfg.validate(task_args_from)
+    try:
+        cfg.validate(task_args_from)
+    except ConfigError as e:  # a range check names its field: say where the value was set
+        field = str(e).partition(":")[0]
+        where = {**layers.where, **{f"task_args.{k}": v for k, v in task_args_from.items()}}
+        if field in where:
+            raise ConfigError(where[field] + str(e)) from None
+        raise
     for note in notes + dropped:
         print(f"[mini-grpo] note: {note}", file=sys.stderr)
     return cfg

@@ -48,7 +48,12 @@ def test_bare_name_is_looked_up_in_configs():
 @pytest.mark.parametrize("yaml_text, args, env, expected", [
     ("lrr: 0.1\n", [], {}, ["lrr", "did you mean 'lr'", ":1:"]),
     ("seed: 1\nlr: fast\n", [], {}, ["lr", "fast", ":2:"]),
-    ("lr: -0.1\n", [], {}, ["lr", ">= 0"]),
+    ("lr: -0.1\n", [], {}, ["bad.yaml:1: lr: must be >= 0"]),
+    # a range error says where the value was set: file and line, variable, command line
+    ("seed: 1\ntask: countdown\ntask_args:\n  max_numbers: 9\n", [], {},
+     ["bad.yaml:3: task_args.max_numbers: must be in 3..6, got 9"]),
+    ("", [], {"MAX_STEPS": "-3"}, ["environment variable MAX_STEPS: max_steps: must be > 0"]),
+    ("max_steps: 4\n", ["--max_steps=-3"], {}, ["command line: --max_steps: must be > 0"]),
     ("group_size: 1\n", [], {}, ["group_size", ">= 2"]),
     ("temperature: 0\n", [], {}, ["temperature", "> 0"]),
     ("seed: 1\nlr: [1, 2\n", [], {}, ["malformed YAML", ":3"]),
