@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import pickle
 import re
@@ -83,6 +84,42 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
         prune(directory, keep, final)
     D.barrier()
     return final
+
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".distcp", ".metadata")
+
+
+def base_fingerprint(path: str | Path) -> str:
+    """A short digest of a model's weights as files: of `path` (one of our checkpoints) or of
+    the weight files and config.json of a directory, their sizes and 16 slices of 4 KiB
+    spread through each, headers included. Another model, or the same one trained further,
+    gets another digest, without reading gigabytes. A LoRA checkpoint records its base's
+    (`check_base`): it holds its adapters alone, and they mean nothing on another base."""
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.is_file() and (
+        f.name == "config.json" or f.suffix in _WEIGHT_FILES)) if p.is_dir() else [p]
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name if p.is_dir() else ''}:{size};".encode())
+        with open(f, "rb") as fh:
+            for i in range(16):
+                fh.seek(size * i // 16)
+                digest.update(fh.read(4096))
+    return digest.hexdigest()[:16]
+
+
+def check_base(state: dict, init_from: str, source: str) -> None:
+    """A LoRA checkpoint's adapters go onto the base they were trained on: `init_from` must
+    still hold it (checkpoints written before bases were recorded are taken on trust)."""
+    want = state.get("base")
+    if want is not None and not isinstance(want, str):
+        raise CheckpointError(f"{source}: its base record must be a string, got "
+                              f"{type(want).__name__}")
+    if want is not None and base_fingerprint(init_from) != want:
+        raise CheckpointError(f"{source}: its adapters were trained on another base than "
+                              f"what init_from {init_from} holds now (its weight files "
+                              f"differ); point init_from at that base")
 
 
 def load_weights(checkpoint: dict, model: torch.nn.Module,

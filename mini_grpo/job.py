@@ -16,7 +16,13 @@ from pathlib import Path
 
 from . import distributed as D
 from . import fsdp
-from .checkpoint import CheckpointError, clean_stale_temps, latest_checkpoint, load_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    check_base,
+    clean_stale_temps,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
 from .lora import is_lora, merged_state_dict, save_adapter
@@ -138,6 +144,8 @@ def check_resume(run: Run, state: dict, path: str) -> None:
         raise ConfigError(f"{path}: cannot resume with a different "
                           + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in fixed)
                           + "; use another out_dir, or resume: never")
+    if saved.get("lora_r") or saved.get("adapter"):
+        check_base(state, cfg.init_from, path)
     if state["step"] > cfg.max_steps:
         raise ConfigError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint "
                           f"to resume from ({state['step']}, {path})")

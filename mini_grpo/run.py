@@ -26,7 +26,14 @@ import torch
 
 from . import distributed as D
 from . import fsdp
-from .checkpoint import CheckpointError, check_shapes, load_checkpoint, load_weights
+from .checkpoint import (
+    CheckpointError,
+    base_fingerprint,
+    check_base,
+    check_shapes,
+    load_checkpoint,
+    load_weights,
+)
 from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
@@ -103,10 +110,13 @@ class Run:
         return self.cfg.parallelism == "fsdp" and self.dist.world_size > 1
 
     def identity(self) -> dict:
-        """What every checkpoint carries besides weights: the config, the tokenizer and the
-        model's architecture (models.spec)."""
+        """What every checkpoint carries besides weights: the config, the tokenizer, the
+        model's architecture (models.spec) and, under LoRA, its adapters' options and their
+        base's fingerprint (checkpoint.check_base)."""
+        lora = getattr(self.model, "lora", None)
         return {"config": self.cfg.to_dict(), "tokenizer": self.tok.state(),
-                "model_spec": spec(self.model), "lora": getattr(self.model, "lora", None)}
+                "model_spec": spec(self.model), "lora": lora,
+                "base": base_fingerprint(self.cfg.init_from) if lora else None}
 
     def print0(self, message: str) -> None:
         if self.dist.is_main:
@@ -299,6 +309,7 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if adapters is not None:
+        check_base(adapters, cfg.init_from, "checkpoint")
         if model.lora != adapters["lora"]:
             raise CheckpointError(f"checkpoint: its adapters ({adapters['lora']}) are not "
                                   f"those its config describes ({model.lora})")

@@ -285,6 +285,33 @@ def test_grpo_with_lora_saves_adapters_alone_resumes_exactly_and_exports_both(
     assert ours.keys() == again.keys() and all(torch.equal(ours[k], again[k]) for k in ours)
 
 
+def test_a_lora_checkpoint_refuses_a_base_whose_weights_changed(lm_dirs, tmp_path):
+    """The adapters alone are saved: resume, sample, evaluate and export read the base from
+    init_from again, and refuse it once its weights are not those the adapters learnt on."""
+    import shutil
+
+    from mini_grpo.checkpoint import CheckpointError
+    from mini_grpo.run import build_policy, checkpoint_config
+
+    lm = tmp_path / "base"
+    shutil.copytree(lm_dirs["llama"], lm)
+    cfg = lora_run(tmp_path / "run", lm, mode="grpo")
+    cfg.max_steps = 1
+    train(cfg)
+    ckpt = list_checkpoints(tmp_path / "run" / "checkpoints")[-1]
+    state, saved = checkpoint_config(str(ckpt), {})
+    assert isinstance(state["base"], str)
+    build_policy(saved, None, checkpoint=state)  # the same base: fine
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(lm / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"] *= 1.01  # the same shapes, trained further
+    save_file(weights, str(lm / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"another base than what init_from {lm}"):
+        build_policy(saved, None, checkpoint=state)
+    with pytest.raises(CheckpointError, match="another base"):
+        train(lora_run(tmp_path / "run", lm, mode="grpo"))  # resumes from step 1
+
+
 def test_a_run_continues_from_an_adapter(lm_dirs, tmp_path):
     lm = lm_dirs["qwen2"]
     m = load_hf_model(lm)
