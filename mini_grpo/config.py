@@ -206,9 +206,9 @@ class GRPOConfig:
     # a collective that waits longer than this (a dead or stuck rank) fails the job
     dist_timeout: float = 600.0
 
-    def validate(self, task_args_from: dict[str, str] | None = None) -> None:
+    def validate(self) -> None:
         """Range checks types cannot express (values are typed and finite: fields.coerce);
-        `task_args_from` names the file or layer of each task_args key, for errors."""
+        each error opens with the field's name (load_config adds where it was set)."""
         positive = ["num_eval", "n_layer", "n_head", "n_embd", "block_size",
                     "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
                     "num_iterations", "sft_batch_size", "eval_every", "log_every",
@@ -268,7 +268,7 @@ class GRPOConfig:
         if any(t not in TRACKERS for t in self.report_to):
             raise ConfigError(f"report_to: must list only {', '.join(TRACKERS)}, got "
                               f"{show(self.report_to)}")
-        self.task_args = resolve_task_args(self.task, self.task_args, task_args_from)
+        self.task_args = resolve_task_args(self.task, self.task_args)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -424,12 +424,12 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
     task_args, task_args_from, dropped = layers.task_args()
     cfg = GRPOConfig(**{**layers.values, "task_args": task_args})
     try:
-        cfg.validate(task_args_from)
-    except ConfigError as e:  # a range check names its field: say where the value was set
-        field = str(e).partition(":")[0]
+        cfg.validate()
+    except ConfigError as e:  # its message opens with the field: say where that was set
         where = {**layers.where, **{f"task_args.{k}": v for k, v in task_args_from.items()}}
-        if field in where:
-            raise ConfigError(where[field] + str(e)) from None
+        fields = [k for k in where if str(e).startswith(f"{k}:")]  # a key may hold a ':'
+        if fields:
+            raise ConfigError(where[max(fields, key=len)] + str(e)) from None
         raise
     for note in notes + dropped:
         print(f"[mini-grpo] note: {note}", file=sys.stderr)

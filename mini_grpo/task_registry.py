@@ -55,18 +55,16 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def resolve_task_args(name: str, args: dict[str, Any],
-                      where: dict[str, str] | None = None) -> dict[str, Any]:
+def resolve_task_args(name: str, args: dict[str, Any]) -> dict[str, Any]:
     """The task's arguments with its defaults filled in, checked against its Args fields;
-    `where` says which file, line or layer set each key, for the error messages."""
+    each error opens with `task_args.KEY:` (load_config puts where KEY was set in front)."""
     task = get_task(name)
     hints = typing.get_type_hints(task.Args)
     given = {}
     for key, value in args.items():
-        at = (where or {}).get(key, "")
         if key not in hints:
-            raise _unknown_option(task, str(key), at)
-        given[key] = coerce(f"task_args.{key}", value, hints[key], at)
+            raise _unknown_option(task, str(key))
+        given[key] = coerce(f"task_args.{key}", value, hints[key])
     resolved = task.Args(**given)
     check = getattr(resolved, "check", None)
     if check is not None:
@@ -74,12 +72,12 @@ def resolve_task_args(name: str, args: dict[str, Any],
     return dataclasses.asdict(resolved)
 
 
-def _unknown_option(task: Task, key: str, at: str) -> ConfigError:
+def _unknown_option(task: Task, key: str) -> ConfigError:
     options = [f.name for f in dataclasses.fields(task.Args)]
     if not options:
-        return ConfigError(f"{at}task_args.{key}: unknown key: task {task.name} takes no "
+        return ConfigError(f"task_args.{key}: unknown key: task {task.name} takes no "
                            f"options")
     close = difflib.get_close_matches(key, options, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    return ConfigError(f"{at}task_args.{key}: unknown key for task {task.name} ({hint}its "
+    return ConfigError(f"task_args.{key}: unknown key for task {task.name} ({hint}its "
                        f"options: {', '.join(options)})")
