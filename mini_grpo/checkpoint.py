@@ -109,14 +109,15 @@ def base_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_base(state: dict, init_from: str, source: str) -> None:
-    """A LoRA checkpoint's adapters go onto the base they were trained on: `init_from` must
-    still hold it (checkpoints written before bases were recorded are taken on trust)."""
+def check_base(state: dict, have: str, init_from: str, source: str) -> None:
+    """A LoRA checkpoint's adapters go onto the base they were trained on: `have`, the
+    fingerprint of the base read from `init_from`, must be the one `state` recorded
+    (checkpoints written before bases were recorded are taken on trust)."""
     want = state.get("base")
     if want is not None and not isinstance(want, str):
         raise CheckpointError(f"{source}: its base record must be a string, got "
                               f"{type(want).__name__}")
-    if want is not None and base_fingerprint(init_from) != want:
+    if want is not None and have != want:
         raise CheckpointError(f"{source}: its adapters were trained on another base than "
                               f"what init_from {init_from} holds now (its weight files "
                               f"differ); point init_from at that base")

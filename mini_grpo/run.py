@@ -113,10 +113,9 @@ class Run:
         """What every checkpoint carries besides weights: the config, the tokenizer, the
         model's architecture (models.spec) and, under LoRA, its adapters' options and their
         base's fingerprint (checkpoint.check_base)."""
-        lora = getattr(self.model, "lora", None)
         return {"config": self.cfg.to_dict(), "tokenizer": self.tok.state(),
-                "model_spec": spec(self.model), "lora": lora,
-                "base": base_fingerprint(self.cfg.init_from) if lora else None}
+                "model_spec": spec(self.model), "lora": getattr(self.model, "lora", None),
+                "base": getattr(self.model, "lora_base", None)}
 
     def print0(self, message: str) -> None:
         if self.dist.is_main:
@@ -308,8 +307,10 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
                            cfg.lora_target_modules)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # the base as its files were when read, recorded in every checkpoint (check_base)
+        model.lora_base = base_fingerprint(cfg.init_from)
     if adapters is not None:
-        check_base(adapters, cfg.init_from, "checkpoint")
+        check_base(adapters, model.lora_base, cfg.init_from, "checkpoint")
         if model.lora != adapters["lora"]:
             raise CheckpointError(f"checkpoint: its adapters ({adapters['lora']}) are not "
                                   f"those its config describes ({model.lora})")
