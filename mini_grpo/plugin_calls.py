@@ -20,11 +20,12 @@ from mini_grpo.rewards.registry import ROW_SLOTS
 # a NaN. The trainer's advantages take the total as float32 (max 3.4e38) and sum its squares:
 # a few plugins at 1e12 keep that finite for any batch up to ~1e12 rows.
 MAX_REWARD = 1e12
+_TEXT = (str, bytes, bytearray)  # never a reward, nor a list of them
 
 
 def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]:
     """(rewards with NaN where a row failed, or None when the whole call failed; error)."""
-    if isinstance(values, (Mapping, Set, str, bytes, bytearray)):
+    if isinstance(values, (Mapping, Set, *_TEXT)):
         # iterable, but not one value per row in order: a dict would be read as its keys
         return None, f"returned {type(values).__name__}, expected a list of {n} floats"
     if not isinstance(values, (list, tuple, np.ndarray)):
@@ -32,9 +33,8 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
             values = list(values)
         except TypeError:
             return None, f"returned {type(values).__name__}, expected a list of {n} floats"
-    text = (str, bytes, bytearray)  # "0.5" is no reward, though numpy would read it as one
     try:
-        if any(isinstance(v, text) for v in values):
+        if any(isinstance(v, _TEXT) for v in values):  # numpy would read "0.5" as a number
             raise ValueError
         arr = np.array(values, dtype=np.float64)  # a copy; None becomes NaN
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
@@ -53,7 +53,7 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
 
 
 def _float_or_nan(v) -> float:
-    if isinstance(v, (str, bytes, bytearray)):
+    if isinstance(v, _TEXT):  # "0.5" is no reward
         return float("nan")
     try:
         return float(v)
