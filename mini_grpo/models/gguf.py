@@ -1,0 +1,586 @@
+"""GGUF files (llama.cpp's format) in and out: a model of the Llama family and its tokenizer.
+
+    model, tok = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")     # dequantized, fp32
+    write_gguf(model, tok, "out.gguf", "q8_0")                      # llama.cpp / ollama run it
+
+In: the container is read by our own bounded parser (`read_gguf`): every count, length and
+offset is checked against limits and the file's size before anything is allocated, so a
+hostile file is one line (CheckpointError, exit 2), never a multi-gigabyte allocation (the
+`gguf` package's reader builds a Python object per array element, unbounded). The tensors'
+bytes are dequantized by the `gguf` package (llama.cpp's own Python code: F32, F16, BF16,
+Q8_0, Q4_0/1, Q5_0/1, the K-quants). The metadata becomes a Hugging Face config.json (then
+checked as one, hf.py), the tensor names ours (`_NAMES`), and llama.cpp's q/k row permutation
+is undone for the `llama` architecture (its converter applies it there alone). The tokenizer
+(byte-level BPE: `tokenizer.ggml.model` gpt2) is rebuilt from the tokens, merges and token
+types, with the pre-tokenizer `tokenizer.ggml.pre` names (`PRE_TOKENIZERS`, as llama.cpp
+splits text) and the chat template `tokenizer.chat_template`.
+
+Out: `gguf.GGUFWriter`, the same tables the other way, q/k permuted again, the weights in
+f32, f16, bf16, q8_0 or q5/q4 (`gguf.quants`, llama.cpp's reference quantizers; 1-D tensors
+stay f32, as llama.cpp's converter keeps them).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import CheckpointError, check_shapes
+from . import CausalLM, build, check_size
+
+MAGIC = b"GGUF"
+MAX_TENSORS = 1 << 16  # a 70B model has ~700
+MAX_KV = 1 << 12  # metadata keys: a few dozen in practice
+MAX_ARRAY = 1 << 22  # the largest vocabularies (token lists, merges) are ~260k
+MAX_STRING = 4 << 20  # a chat template is a few kB; tokens and keys far less
+MAX_DIMS = 4
+ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture -> config.json's model_type
+OURS = "mini_grpo.export"  # a metadata key of the files write_gguf writes
+
+# GGUFValueType: scalars as struct formats (little-endian), 8 = string, 9 = array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+       10: "<u8", 11: "<i8", 12: "<f8"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass
+class TensorInfo:
+    shape: tuple[int, ...]  # torch order (GGUF lists dimensions innermost first)
+    qtype: int  # GGMLQuantizationType
+    offset: int  # bytes from the file's start
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    meta: dict
+    tensors: dict[str, TensorInfo]
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, every read checked against its end."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def fail(self, what: str):
+        raise CheckpointError(f"{self.path}: not a valid GGUF file ({what}, at byte {self.pos})")
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.buf):
+            self.fail(f"{n} bytes asked past the end of the file")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q")
+        if n > MAX_STRING:
+            self.fail(f"{what}: a string of {n} bytes")
+        try:
+            return self.take(n).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what}: a string that is not UTF-8")
+
+    def value(self, kind: int, key: str):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == STRING:
+            return self.string(key)
+        if kind != ARRAY:
+            self.fail(f"{key}: unknown value type {kind}")
+        item, n = self.scalar("<I"), self.scalar("<Q")
+        if n > MAX_ARRAY:
+            self.fail(f"{key}: an array of {n} items (at most {MAX_ARRAY})")
+        if item in _NP:  # numbers: one read, bounded by the file
+            size = np.dtype(_NP[item]).itemsize
+            values = np.frombuffer(self.take(n * size), dtype=_NP[item])
+            return values.astype(bool).tolist() if item == 7 else values.tolist()
+        if item != STRING:  # llama.cpp writes no nested arrays
+            self.fail(f"{key}: an array of value type {item}")
+        if n * 8 > len(self.buf) - self.pos:
+            self.fail(f"{key}: {n} strings cannot fit in the file")
+        return [self.string(key) for _ in range(n)]
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The metadata and tensor directory of a GGUF file (versions 2 and 3, little-endian);
+    CheckpointError naming the file and what is wrong. Tensor bytes are not read."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
+        raise CheckpointError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") \
+            from None
+    c = _Cursor(buf, path)
+    if len(buf) < 24 or c.take(4) != MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (no GGUF magic)")
+    version = c.scalar("<I")
+    if version & 0xFFFF == 0:
+        raise CheckpointError(f"{path}: a big-endian GGUF file is not supported")
+    if version not in (2, 3):
+        raise CheckpointError(f"{path}: GGUF version {version} is not supported (2, 3)")
+    n_tensors, n_kv = c.scalar("<Q"), c.scalar("<Q")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+        c.fail(f"{n_tensors} tensors and {n_kv} metadata keys (at most {MAX_TENSORS} and "
+               f"{MAX_KV})")
+    meta = {}
+    for _ in range(n_kv):
+        key = c.string("a metadata key")
+        if key in meta:
+            c.fail(f"metadata key {key[:80]!r} twice")
+        meta[key] = c.value(c.scalar("<I"), key[:80])
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string("a tensor name")
+        n_dims = c.scalar("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            c.fail(f"tensor {name[:80]}: {n_dims} dimensions")
+        dims = [c.scalar("<Q") for _ in range(n_dims)]
+        qtype, offset = c.scalar("<I"), c.scalar("<Q")
+        infos.append((name, dims, qtype, offset))
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align < 1 or align & (align - 1) or align > 1 << 16:
+        c.fail(f"general.alignment {align!r} is not a power of two")
+    start = -(-c.pos // align) * align
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        try:
+            kind = GGMLQuantizationType(qtype)
+            block, size = GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            c.fail(f"tensor {name[:80]}: unknown type {qtype}")
+        count = 1
+        for d in dims:
+            count *= d
+        if name in tensors:
+            c.fail(f"tensor {name[:80]} twice")
+        if any(d < 1 for d in dims) or dims[0] % block:
+            c.fail(f"tensor {name[:80]}: shape {dims} does not fit type {kind.name}")
+        nbytes = count // block * size
+        if offset % align or start + offset + nbytes > len(buf):
+            c.fail(f"tensor {name[:80]}: its {nbytes} bytes at offset {offset} are not in "
+                   f"the file")
+        tensors[name] = TensorInfo(tuple(reversed(dims)), qtype, start + offset, nbytes)
+    buf.close()
+    return GGUFFile(path, meta, tensors)
+
+
+# metadata -> config.json
+
+def _meta(f: GGUFFile, key: str, kind: type, default=None, lo=1, hi=1 << 24):
+    """A metadata value of `kind` within [lo, hi]; CheckpointError naming the key."""
+    v = f.meta.get(key, default)
+    ok = isinstance(v, kind) and not isinstance(v, bool) if kind in (int, float) else \
+        isinstance(v, kind)
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v, ok = float(v), True
+    if not ok or (kind in (int, float) and not lo <= v <= hi):
+        want = f"a number in [{lo}, {hi}]" if kind in (int, float) else kind.__name__
+        raise CheckpointError(f"{f.path}: metadata {key} must be {want}, got {v!r:.80}")
+    return v
+
+
+def hf_config(f: GGUFFile) -> dict:
+    """The Hugging Face config.json the metadata describes (checked again as one by hf.py)."""
+    arch = f.meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise CheckpointError(f"{f.path}: general.architecture {str(arch)[:60]!r} is not "
+                              f"supported ({', '.join(ARCHS)}: the Llama family)")
+    a = arch + "."
+    for key in ("rope.scaling.type", "attention.sliding_window"):
+        if a + key in f.meta and f.meta[a + key] not in ("none", 0):
+            raise CheckpointError(f"{f.path}: {a + key} {f.meta[a + key]!r:.40} is not "
+                                  f"supported")
+    if "rope_freqs.weight" in f.tensors:
+        raise CheckpointError(f"{f.path}: rope_freqs (Llama 3.1's rope scaling) is not "
+                              f"supported")
+    n_embd = _meta(f, a + "embedding_length", int)
+    n_head = _meta(f, a + "attention.head_count", int, hi=1 << 12)
+    head_dim = _meta(f, a + "attention.key_length", int, n_embd // n_head, hi=1 << 12)
+    rot = f.meta.get(a + "rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise CheckpointError(f"{f.path}: {a}rope.dimension_count {rot!r:.20} differs from "
+                              f"the head size {head_dim} (partial rotary is not supported)")
+    tokens = f.meta.get("tokenizer.ggml.tokens")
+    vocab = _meta(f, a + "vocab_size", int, len(tokens) if isinstance(tokens, list) else None)
+    blk = "blk.0."
+    return {"model_type": arch, "architectures": [f"{arch.capitalize()}ForCausalLM"],
+            "vocab_size": vocab, "hidden_size": n_embd,
+            "max_position_embeddings": _meta(f, a + "context_length", int, 2048),
+            "num_hidden_layers": _meta(f, a + "block_count", int, hi=1 << 12),
+            "intermediate_size": _meta(f, a + "feed_forward_length", int),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": _meta(f, a + "attention.head_count_kv", int, n_head,
+                                         hi=1 << 12),
+            "head_dim": head_dim, "hidden_act": "silu",
+            "rms_norm_eps": _meta(f, a + "attention.layer_norm_rms_epsilon", float, 1e-6,
+                                  lo=1e-12, hi=0.5),
+            "rope_theta": _meta(f, a + "rope.freq_base", float, 10000.0, hi=1e12),
+            "attention_bias": arch == "llama" and blk + "attn_q.bias" in f.tensors,
+            "mlp_bias": blk + "ffn_gate.bias" in f.tensors,
+            "tie_word_embeddings": "output.weight" not in f.tensors,
+            "dtype": "float32"}
+
+
+# tensor names: theirs <-> ours (the Llama family's parameter names, hf.py)
+
+_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_THEIRS = {v: k for k, v in _NAMES.items()} | {v: k for k, v in _TOP.items()}
+
+
+def _ours(name: str) -> str | None:
+    stem, dot, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _NAMES:
+        return f"layers.{int(parts[1])}.{_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def _theirs(name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem.startswith("layers."):
+        _, i, rest = stem.split(".", 2)
+        return f"blk.{i}.{_THEIRS[rest]}.{suffix}"
+    return f"{_THEIRS[stem]}.{suffix}"
+
+
+def _permute(w: torch.Tensor, heads: int, undo: bool) -> torch.Tensor:
+    """llama.cpp's q/k row order: within each head, the rotary halves interleaved (its
+    converter's `permute`); `undo` restores the Hugging Face order."""
+    shape = w.shape
+    if undo:
+        return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2) \
+            .reshape(shape)
+    return w.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).transpose(1, 2) \
+        .reshape(shape)
+
+
+def _dequantize(buf, info: TensorInfo) -> torch.Tensor:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    kind = GGMLQuantizationType(info.qtype)
+    rows = raw.reshape(-1, info.nbytes // max(1, int(np.prod(info.shape[:-1]))))
+    try:
+        values = dequantize(rows, kind)
+    except NotImplementedError:
+        raise CheckpointError(f"tensor type {kind.name} cannot be dequantized (the gguf "
+                              f"package has no code for it)") from None
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = torch.float32,
+              weights: bool = True):
+    """(model, tokenizer) of a GGUF file: its weights dequantized to `dtype`. The config.json
+    it implies is kept as `model.hf_config`, so exports write it. `weights=False`: the model
+    on the meta device, checked against the file's tensor directory alone."""
+    from .hf import hf_spec, llama_config
+
+    f = read_gguf(path)
+    config = hf_config(f)
+    try:
+        llama_config(config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{f.path}: {str(e).removeprefix('config.json: ')}") from None
+    spec = hf_spec(config)
+    try:
+        check_size(spec, str(f.path), (dtype or torch.float32).itemsize)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    tok = gguf_tokenizer(f)
+    ours = {}
+    for name, info in f.tensors.items():
+        mine = _ours(name)
+        if mine is None:
+            raise CheckpointError(f"{f.path}: tensor {name[:80]} is not one of the Llama "
+                                  f"family's")
+        ours[mine] = info
+    with torch.device("meta"):
+        model = build(spec)
+    shapes = {k: torch.empty(v.shape, device="meta") for k, v in ours.items()}
+    if model.tied_head():
+        shapes.setdefault("lm_head.weight", shapes.get("embed_tokens.weight"))
+    check_shapes({k: v.shape for k, v in model.state_dict().items()}, shapes, str(f.path))
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise CheckpointError(f"{f.path}: the tokenizer has {tok.vocab_size} tokens, the "
+                              f"model's embedding {model.cfg.vocab_size}")
+    model.hf_config = config
+    if not weights:
+        return model, tok
+    heads = {"q_proj": model.cfg.n_head, "k_proj": model.cfg.n_kv_head}
+    state = {}
+    with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for name, info in ours.items():
+            t = _dequantize(buf, info)
+            kind = name.split(".")[-2]
+            if config["model_type"] == "llama" and kind in heads:
+                t = _permute(t, heads[kind], undo=True)
+            state[name] = t.to(dtype) if dtype is not None else t
+    model.assign(state)
+    return model, tok
+
+
+# the tokenizer: tokenizer.ggml.* <-> a `tokenizers` byte-level BPE
+
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+          r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = _QWEN2.replace(r"\p{L}+|\p{N}|", r"\p{L}+|\p{N}{1,3}|")
+# tokenizer.ggml.pre -> how text is split before the merges, as llama.cpp splits it: the
+# first name of each row is the one exports write
+PRE_TOKENIZERS = {
+    ("gpt-2",): (("ByteLevel", True),),
+    ("smollm", "starcoder", "refact", "codeshell"): (("Digits", True), ("ByteLevel", True)),
+    ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3"):
+        (("Split", _LLAMA3), ("ByteLevel", False)),
+    ("qwen2", "deepseek-r1-qwen"): (("Split", _QWEN2), ("ByteLevel", False)),
+}
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+
+
+def _pre_tokenizer(signature):
+    from tokenizers import Regex, pre_tokenizers
+
+    parts = []
+    for kind, arg in signature:
+        if kind == "ByteLevel":
+            parts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=arg))
+        elif kind == "Digits":
+            parts.append(pre_tokenizers.Digits(individual_digits=arg))
+        else:
+            parts.append(pre_tokenizers.Split(Regex(arg), behavior="isolated"))
+    return parts[0] if len(parts) == 1 else pre_tokenizers.Sequence(parts)
+
+
+def _signature(pre: dict | None):
+    """A tokenizer.json pre_tokenizer reduced to what PRE_TOKENIZERS compares."""
+    parts = (pre or {}).get("pretokenizers", [pre]) if (pre or {}).get("type") == "Sequence" \
+        else [pre or {}]
+    out = []
+    for p in parts:
+        kind = p.get("type")
+        if kind == "ByteLevel" and not p.get("add_prefix_space"):
+            out.append((kind, bool(p.get("use_regex", True))))
+        elif kind == "Digits":
+            out.append((kind, bool(p.get("individual_digits"))))
+        elif kind == "Split" and p.get("behavior") == "Isolated" and not p.get("invert"):
+            out.append((kind, (p.get("pattern") or {}).get("Regex")))
+        else:
+            return None
+    return tuple(out)
+
+
+def gguf_tokenizer(f: GGUFFile):
+    """The HFTokenizer the file's tokenizer.ggml.* metadata describes (byte-level BPE)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    from ..tokenizer import HFTokenizer
+
+    kind = f.meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.model {str(kind)[:40]!r} is not "
+                              f"supported (gpt2: byte-level BPE)")
+    pre = f.meta.get("tokenizer.ggml.pre", "gpt-2")
+    signature = next((s for names, s in PRE_TOKENIZERS.items() if pre in names), None)
+    if signature is None:
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.pre {str(pre)[:40]!r} is not "
+                              f"supported ({', '.join(n for ns in PRE_TOKENIZERS for n in ns)})")
+    tokens, merges = f.meta.get("tokenizer.ggml.tokens"), f.meta.get("tokenizer.ggml.merges", [])
+    types = f.meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens or []))
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens must be a list of strings")
+    if not isinstance(types, list) or len(types) != len(tokens) or \
+            not all(isinstance(t, int) for t in types):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type must give one integer per "
+                              f"token ({len(tokens)})")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1
+                                               for m in merges):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.merges must be strings 'a b'")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens lists a token twice")
+    try:
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
+    except Exception as e:  # the library's own errors: a merge of unknown tokens
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.merges: {str(e)[:200]}") from None
+    tk.pre_tokenizer = _pre_tokenizer(signature)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, types) if k == CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, k in zip(tokens, types) if k == USER_DEFINED])
+    specials = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        i = f.meta.get(f"tokenizer.ggml.{key}")
+        if i is None:
+            continue
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens):
+            raise CheckpointError(f"{f.path}: tokenizer.ggml.{key} {i!r:.40} is not a token "
+                                  f"id (0 to {len(tokens) - 1})")
+        specials[name] = tokens[i]
+    bos = specials.get("bos_token")
+    if f.meta.get("tokenizer.ggml.add_bos_token") is True and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+    template = f.meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{f.path}: tokenizer.chat_template must be a string")
+    extra = [f.meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+             if k in f.meta]
+    try:
+        return HFTokenizer(tk, specials, template, extra,
+                           {"chat_template": f"{f.path}: tokenizer.chat_template",
+                            "eos": f"{f.path}: tokenizer.ggml.eot_token_id"})
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _gguf_vocab(tok, vocab_size: int) -> tuple[list[str], list[int], list[str], str, bool]:
+    """(tokens, token types, merges, pre name, add_bos) of an HFTokenizer, for the writer;
+    ValueError when it is not a byte-level BPE that llama.cpp can name."""
+    spec = json.loads(tok.tk.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError("GGUF export: only byte-level BPE tokenizers are supported")
+    signature = _signature(spec.get("pre_tokenizer"))
+    pre = next((names[0] for names, s in PRE_TOKENIZERS.items() if s == signature), None)
+    if pre is None:
+        raise ValueError(f"GGUF export: the tokenizer's pre-tokenizer ({signature}) is none of "
+                         f"those llama.cpp names here ({', '.join(n[0] for n in PRE_TOKENIZERS)})")
+    tokens, types = [f"[PAD{i}]" for i in range(vocab_size)], [UNUSED] * vocab_size
+    for t, i in model["vocab"].items():
+        if i < vocab_size:
+            tokens[i], types[i] = t, NORMAL
+    for added in spec.get("added_tokens") or []:
+        if added["id"] < vocab_size:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    add_bos = len(tok.tk.encode("a", add_special_tokens=True).ids) > \
+        len(tok.tk.encode("a", add_special_tokens=False).ids)
+    return tokens, types, merges, pre, add_bos
+
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
+               state: dict | None = None) -> Path:
+    """`model` (the Llama family) and its tokenizer as one GGUF file that llama.cpp runs: 2-D
+    weights in `qtype` (a quantized type falls back to f16 for rows that are not whole
+    blocks of 32), 1-D ones in f32. `state`: the weights to write instead of
+    model.state_dict() (merged LoRA, a sharded model's full ones). Written to a temporary sibling and renamed."""
+    import gguf
+
+    from .hf import export_config
+
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {qtype!r}")
+    if model.family != "llama" or not hasattr(tok, "tk"):
+        raise ValueError("GGUF export: the Llama family with a Hugging Face tokenizer only")
+    c, arch = model.cfg, export_config(model, torch.float32)["model_type"]
+    if arch not in ARCHS or c.rope_scaling.get("rope_type", "default") not in ("default",
+                                                                               "linear"):
+        raise ValueError(f"GGUF export: {arch} with rope scaling {c.rope_scaling} is not "
+                         f"supported")
+    tokens, types, merges, pre, add_bos = _gguf_vocab(tok, c.vocab_size)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    Q = gguf.GGMLQuantizationType
+    want = Q[qtype.upper()]
+    ftype = gguf.LlamaFileType.ALL_F32 if want == Q.F32 else \
+        gguf.LlamaFileType[f"MOSTLY_{want.name}"]
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_type("model")
+    w.add_string(OURS, "1")  # is_our_gguf: a later export may replace this file
+    w.add_context_length(c.block_size)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(c.n_inner)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_kv_head)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    if c.rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling["factor"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(ftype)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if tok.bos_id is not None:
+        w.add_bos_token_id(tok.bos_id)
+    w.add_eos_token_id(tok.eos_id)
+    w.add_pad_token_id(tok.pad_id)
+    if len(tok.eos_ids) > 1:
+        w.add_eot_token_id(tok.eos_ids[1])
+    w.add_add_bos_token(add_bos)
+    if tok.chat_template is not None:
+        w.add_chat_template(tok.chat_template)
+    heads = {"q_proj": c.n_head, "k_proj": c.n_kv_head}
+    weights = model.state_dict() if state is None else state
+    for name, t in weights.items():
+        if name == "lm_head.weight" and model.tied_head():
+            continue
+        t = t.detach().to("cpu", torch.float32)
+        if arch == "llama" and name.split(".")[-2] in heads:
+            t = _permute(t, heads[name.split(".")[-2]], undo=False)
+        a = t.contiguous().numpy()
+        kind = Q.F32 if a.ndim == 1 else want
+        if a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:  # rows of whole blocks only
+            kind = Q.F16
+        if kind == Q.F16:
+            w.add_tensor(_theirs(name), a.astype(np.float16))
+        elif kind == Q.F32:
+            w.add_tensor(_theirs(name), a)
+        else:
+            w.add_tensor(_theirs(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def is_our_gguf(path: Path) -> bool:
+    """Whether `path` is a GGUF file that write_gguf wrote (its metadata says so)."""
+    try:
+        return read_gguf(path).meta.get(OURS) is not None
+    except CheckpointError:
+        return False

@@ -1,0 +1,216 @@
+"""GGUF in and out (models/gguf.py), against transformers' own GGUF loader (`gguf_file=`) as
+the oracle: tiny Llama/Qwen2/Qwen3 models built locally with transformers, written to GGUF
+files by the test (nothing downloaded). Export: transformers reads our file with the logits of
+the directory it came from. Import: our model gives transformers' logits on the same file,
+for every type the `gguf` package can write; the tokenizer encodes as the original one; the
+CLI's import-gguf, sample and export on GGUF files; bad files named in one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, clean_env, tiny_lm_dir
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from mini_grpo.checkpoint import CheckpointError  # noqa: E402
+from mini_grpo.models.gguf import load_gguf, read_gguf, write_gguf  # noqa: E402
+from mini_grpo.models.hf import load_hf_model  # noqa: E402
+from mini_grpo.tokenizer import HFTokenizer  # noqa: E402
+
+TEXTS = ["e2e4 e7e5 g1f3: write the FEN", "12345 + 678 = ?", "  two  spaces\nand a line",
+         "<|im_start|>user\nhi<|im_end|>"]
+IDS = torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "mini_grpo", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                          timeout=300)
+
+
+def exported(tmp_path, family: str, qtype: str = "f32"):
+    """(directory, GGUF file) of a tiny `family` model: the file written by write_gguf."""
+    lm = tiny_lm_dir(tmp_path / family, family)
+    model, tok = load_hf_model(lm), HFTokenizer.from_dir(lm)
+    return lm, write_gguf(model, tok, tmp_path / f"{family}-{qtype}.gguf", qtype)
+
+
+def hf_logits(path, gguf_file=None):
+    kw = {"gguf_file": gguf_file.name} if gguf_file else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent if gguf_file else path, dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_export_and_import_against_transformers(tmp_path, family):
+    lm, file = exported(tmp_path, family)
+    want = hf_logits(lm)
+    theirs = hf_logits(lm, file)  # transformers reads our file: names, q/k order, metadata
+    torch.testing.assert_close(theirs, want, rtol=0, atol=1e-5)
+    model, tok = load_gguf(file)  # and we read it as they do
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(IDS), theirs, rtol=0, atol=1e-5)
+    original = HFTokenizer.from_dir(lm)
+    for text in TEXTS:
+        assert tok.encode(text) == original.encode(text), text
+        assert tok.decode(tok.encode(text)) == original.decode(original.encode(text))
+    assert tok.chat_template == original.chat_template
+    assert (tok.eos_ids, tok.pad_id) == (original.eos_ids, original.pad_id)
+    assert tok.encode_prompt("hi") == original.encode_prompt("hi")
+    assert model.hf_config["model_type"] == family
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"])
+def test_every_written_type_dequantizes_as_transformers_does(tmp_path, qtype):
+    lm, file = exported(tmp_path, "llama", qtype)
+    assert {gguf.GGMLQuantizationType(t.qtype).name.lower() for name, t in
+            read_gguf(file).tensors.items() if len(t.shape) == 2} == {qtype}
+    model, _ = load_gguf(file)
+    with torch.no_grad():
+        ours = model.eval()(IDS)
+    torch.testing.assert_close(ours, hf_logits(lm, file), rtol=0, atol=1e-5)
+    # how far each type moves the logits (~N(0, 0.3) here) from the fp32 weights
+    bound = {"f16": 1e-2, "bf16": 0.03, "q8_0": 0.03, "q5_0": 0.1, "q5_1": 0.1,
+             "q4_0": 0.2, "q4_1": 0.2}[qtype]
+    assert (ours - hf_logits(lm)).abs().max() < bound
+
+
+def test_digits_pre_tokenizer_round_trips(tmp_path):
+    """SmolLM2's pre-tokenizer (each digit its own piece) is `smollm` in the file, and comes
+    back splitting digits, as llama.cpp splits them."""
+    from tokenizers import pre_tokenizers
+
+    lm = tiny_lm_dir(tmp_path / "llama", "llama")
+    raw = json.loads((lm / "tokenizer.json").read_text())
+    tk = HFTokenizer.from_dir(lm).tk
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tk.save(str(lm / "tokenizer.json"))
+    assert raw["pre_tokenizer"] != json.loads((lm / "tokenizer.json").read_text())[
+        "pre_tokenizer"]
+    file = write_gguf(load_hf_model(lm), HFTokenizer.from_dir(lm), tmp_path / "d.gguf")
+    assert read_gguf(file).meta["tokenizer.ggml.pre"] == "smollm"
+    _, tok = load_gguf(file)
+    pieces = [tok.tk.id_to_token(i) for i in tok.encode("x 2024")]
+    assert pieces[-4:] == ["2", "0", "2", "4"]
+    assert tok.encode("x 2024") == HFTokenizer.from_dir(lm).encode("x 2024")
+
+
+def test_cli_import_sample_and_export(tmp_path):
+    lm, file = exported(tmp_path, "llama")
+    out = tmp_path / "imported"
+    r = cli("import-gguf", file, out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    torch.testing.assert_close(hf_logits(out), hf_logits(lm), rtol=0, atol=1e-5)
+    r = cli("import-gguf", file, out)  # again over its own import: allowed
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    # sample a GGUF file: greedy, as transformers generates from the same file
+    prompt = "e2e4 e7e5:"
+    r = cli("sample", "--checkpoint", file, "--prompt", prompt, "--greedy", "--json",
+            "--max_new_tokens", 6)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tok = transformers.AutoTokenizer.from_pretrained(lm)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    gen = model.generate(ids, max_new_tokens=6, do_sample=False)
+    want = tok.decode(gen[0, ids.size(1):], skip_special_tokens=True)
+    assert json.loads(r.stdout.strip().splitlines()[-1])["completion"] == want
+
+    # export a GGUF checkpoint to GGUF (q8_0), and over its own earlier export
+    for _ in range(2):
+        r = cli("export", "--checkpoint", file, "--output", tmp_path / "x.gguf",
+                "--gguf_type", "q8_0")
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert read_gguf(tmp_path / "x.gguf").meta["general.file_type"] == 7  # MOSTLY_Q8_0
+
+
+def test_commands_never_overwrite_what_they_did_not_write(tmp_path):
+    _, file = exported(tmp_path, "llama")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    r = cli("import-gguf", file, mine)
+    assert r.returncode == 2 and "notes.txt" in r.stderr and "Traceback" not in r.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("my notes")
+    r = cli("export", "--checkpoint", file, "--output", notes)
+    assert r.returncode == 2 and "not overwritten" in r.stderr, r.stderr
+    assert notes.read_text() == "my notes"
+    r = cli("import-gguf", file, tmp_path / "missing" / "out")
+    assert r.returncode == 2 and "parent" in r.stderr, r.stderr
+
+
+def edit(raw: bytes, old: bytes, new: bytes) -> bytes:
+    assert old in raw
+    return raw.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda raw: b"", "cannot read"),
+    (lambda raw: b"GGML" + raw[4:], "no GGUF magic"),
+    (lambda raw: raw[:4] + (9).to_bytes(4, "little") + raw[8:], "version 9"),
+    (lambda raw: raw[:8] + (2**40).to_bytes(8, "little") + raw[16:], "tensors"),
+    (lambda raw: raw[:len(raw) // 2], "not in the file"),
+    (lambda raw: raw[:200], "past the end"),
+    (lambda raw: edit(raw, b"llama", b"mamba"), "architecture 'mamba'"),
+    (lambda raw: edit(raw, b"gpt-2", b"gpt-9"), "tokenizer.ggml.pre 'gpt-9'"),
+    (lambda raw: edit(raw, b"blk.0.ffn_up", b"blk.0.ffn_xx"), "blk.0.ffn_xx"),
+])
+def test_bad_files_are_one_line_errors(tmp_path, damage, needle):
+    _, file = exported(tmp_path, "llama")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(damage(file.read_bytes()))
+    with pytest.raises(CheckpointError) as e:
+        load_gguf(bad)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    r = cli("sample", "--checkpoint", bad, "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_huge_arrays_are_refused_before_allocating(tmp_path):
+    """An array claiming 2^40 strings, or a string of 2^50 bytes, fails at once: the counts
+    are bounded by limits and by the bytes the file has left."""
+    _, file = exported(tmp_path, "llama")
+    raw = file.read_bytes()
+    key = b"tokenizer.ggml.tokens"
+    at = raw.index(key) + len(key) + 4 + 4  # past the key, its type (array), the item type
+    n = int.from_bytes(raw[at:at + 8], "little")
+    for count, needle in ((2**40, "items"), (n + 10**6, "cannot fit")):
+        (tmp_path / "bad.gguf").write_bytes(raw[:at] + count.to_bytes(8, "little") +
+                                            raw[at + 8:])
+        with pytest.raises(CheckpointError, match=needle):
+            read_gguf(tmp_path / "bad.gguf")
+    first = at + 8  # the first token's length
+    (tmp_path / "bad.gguf").write_bytes(raw[:first] + (2**50).to_bytes(8, "little") +
+                                        raw[first + 8:])
+    with pytest.raises(CheckpointError, match="a string of"):
+        read_gguf(tmp_path / "bad.gguf")
+
+
+def test_init_from_a_gguf_file_trains_and_exports(tmp_path):
+    from conftest import tiny
+
+    from mini_grpo.job import train
+
+    lm, file = exported(tmp_path, "qwen2")
+    out = tmp_path / "run"
+    train(tiny(out, init_from=str(file), max_steps=2, block_size=256))
+    assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "qwen2"
+    moved = (hf_logits(out / "hf") - hf_logits(lm)).abs().max()
+    assert 0 < moved < 0.5  # trained a little, from the file's weights
+    shutil.rmtree(tmp_path / "qwen2")  # the run's hf/ stands alone
+    tok = HFTokenizer.from_dir(out / "hf")
+    assert tok.encode_prompt("e2e4:") == load_gguf(file, weights=False)[1].encode_prompt("e2e4:")
