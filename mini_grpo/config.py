@@ -43,8 +43,9 @@ class GRPOConfig:
     seed: int = 1337
     device: str = "auto"  # auto = cuda if available, else cpu
     resume: str = "auto"  # auto | never | path to a checkpoint
-    # which stages the train job runs; rft = SFT, then RFT data from it, then SFT on that data
-    mode: Literal["sft_grpo", "sft", "grpo", "rft"] = "sft_grpo"
+    # which stages the train job runs; rft = SFT, then RFT data from it, then SFT on that data;
+    # rft_grpo = RFT from init_from's model (data, then SFT on it), then GRPO
+    mode: Literal["sft_grpo", "sft", "grpo", "rft", "rft_grpo"] = "sft_grpo"
     # weights (and tokenizer) that start the run, before SFT: one of our checkpoints, or a local
     # Hugging Face model directory (config.json + safetensors + tokenizer files)
     init_from: str = ""

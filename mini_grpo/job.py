@@ -2,6 +2,7 @@
 
     python distributed_train.py --config default               # sft_grpo (the main job)
     python distributed_train.py --config default --mode=rft    # SFT -> RFT data -> SFT -> eval
+    python distributed_train.py --config smollm2_numeric       # rft_grpo: RFT -> GRPO -> eval
 
 `train(cfg)` builds the run once (run.setup), decides where to resume from (comparing the
 checkpoint's config with this one: what cannot work is refused, what changed is logged), runs
@@ -27,13 +28,15 @@ from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
 from .lora import is_lora, merged_state_dict, save_adapter
 from .models.hf import export_dtype, save_hf
+from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
 from .sft import stage_changes, train_sft
 from .tasks import load_jsonl
 from .trainer import train_grpo
 
-STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft")}
+STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft"),
+          "rft_grpo": ("rft", "grpo")}
 
 # a GRPO checkpoint cannot continue under another model, task or data (a LoRA one holds
 # adapters alone: nor on another base)
@@ -57,12 +60,14 @@ def train(cfg) -> dict:
         if "rft" in stages:
             with fsdp.full_params(run.model):  # every rank gathers, rank 0 evaluates
                 if run.dist.is_main:
-                    result["before"] = eval_both(run, 0, amp)
+                    result = saved_evals(run) if resume is not None else {}
+                    if "before" not in result:
+                        result["before"] = eval_both(run, 0, amp)
             amp = run_rft(run, amp)
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
             with fsdp.full_params(run.model):
-                result = before_grpo(run, resume, amp)
+                result = before_grpo(run, resume, amp, result)
             if resume is not None:
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
             amp = train_grpo(run, resume, amp).guard.amp
@@ -85,6 +90,10 @@ def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool) -> N
     print("\n" + format_table(table), flush=True)
     print("trivial answers under the same reward: " + ", ".join(
         f"{k} {v:.4f}" for k, v in result["baselines"].items()), flush=True)
+    if "grpo" in stages and run.logger is not None:  # metrics.jsonl is flushed per row
+        png = plot_rewards(cfg.out_dir)
+        if png is not None:
+            print(f"[mini-grpo] reward curve: {png}", flush=True)
     export(run, weights)
 
 
@@ -155,18 +164,24 @@ def check_resume(run: Run, state: dict, path: str) -> None:
         run.logger.event(state["step"], "resumed with changed options: " + ", ".join(changed))
 
 
-def before_grpo(run: Run, resume: dict | None, amp: bool) -> dict:
-    """The "before" evaluation: computed on a fresh start, kept from eval.json on resume."""
-    out = Path(run.cfg.out_dir) / "eval.json"
+def before_grpo(run: Run, resume: dict | None, amp: bool, result: dict) -> dict:
+    """The evaluation GRPO starts from ("before"; "rft" after an RFT stage, `result` holding
+    the one before it): computed on a fresh start, kept from eval.json on resume."""
     if not run.dist.is_main:
         return {}
-    if resume is None:
-        result = {"before": eval_both(run, 0, amp)}
-        out.write_text(json.dumps(result, indent=2))
-        return result
-    if out.is_file():
-        return {k: v for k, v in json.loads(out.read_text()).items() if k == "before"}
-    return {}
+    name = "rft" if "before" in result else "before"
+    if resume is not None:
+        return {**result, **saved_evals(run)}
+    result = {**result, name: eval_both(run, 0, amp)}
+    (Path(run.cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def saved_evals(run: Run) -> dict:
+    """The evaluations before GRPO that eval.json holds (a resumed run keeps them)."""
+    out = Path(run.cfg.out_dir) / "eval.json"
+    saved = json.loads(out.read_text()) if out.is_file() else {}
+    return {k: v for k, v in saved.items() if k in ("before", "rft")}
 
 
 def run_rft(run: Run, amp: bool) -> bool:

@@ -190,7 +190,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         D.cleanup(wait=False)
         raise
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger)
-    if train and data is not None and cfg.mode in ("grpo", "sft_grpo"):
+    if train and data is not None and cfg.mode in ("grpo", "sft_grpo", "rft_grpo"):
         try:  # before any work: a model the engine cannot serve is refused here
             run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size))
         except BaseException:

@@ -495,7 +495,8 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
     """`model` (the Llama family) and its tokenizer as one GGUF file that llama.cpp runs: 2-D
     weights in `qtype` (a quantized type falls back to f16 for rows that are not whole
     blocks of 32), 1-D ones in f32. `state`: the weights to write instead of
-    model.state_dict() (merged LoRA, a sharded model's full ones). Written to a temporary sibling and renamed."""
+    model.state_dict() (merged LoRA, a sharded model's full ones). Written to a temporary
+    sibling and renamed."""
     import gguf
 
     from .hf import export_config

@@ -1,7 +1,8 @@
 """Reward plugins: the registry and API (registry.py) plus the built-in scorers.
 
 Built-ins: fen_valid, board_accuracy, board_delta (fen.py); exact_match, levenshtein (text.py);
-countdown_format, countdown_correct (countdown.py); math_answer, answer_format (answers.py).
+countdown_format, countdown_correct (countdown.py); math_answer, answer_format, numeric_answer,
+numeric_format (answers.py).
 See docs/rewards.md for writing your own.
 """
 

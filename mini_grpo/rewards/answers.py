@@ -206,3 +206,51 @@ def _answer_format_row(completion: str) -> float:
 def answer_format(prompts, completions, targets, metas):
     """1.0 when the completion marks a final answer (\\boxed{}, `####` or <answer>), else 0.0."""
     return [_answer_format_row(c) for c in completions]
+
+
+# numeric answers (tasks/numeric.py): a number against a number, within a relative tolerance
+
+REL_TOL = 1e-3  # where either side is a decimal: 3.333 for 10/3 counts, 3.3 does not
+
+
+def _numeric_row(completion: str, target: str, rel_tol: float) -> float | None:
+    reference = to_number(_normalise(extract_answer(target, is_target=True)))
+    if reference is None:
+        return None  # a target that is no number: a data problem, the row is not scored
+    try:
+        got = to_number(_normalise(extract_answer(completion)))
+    except Exception:  # a completion can be anything: it scores 0, the trainer goes on
+        return 0.0
+    if got is None:
+        return 0.0
+    (a, a_dec), (t, t_dec) = got, reference
+    return float(a == t or ((a_dec or t_dec) and abs(a - t) <= rel_tol * abs(t)))
+
+
+@register("numeric_answer")
+def numeric_answer(prompts, completions, targets, metas):
+    """1.0 when the completion's answer (its <answer> tag, \\boxed{} or `####`, else its last
+    number) is the target's number: exactly, or where either is written as a decimal within
+    a relative tolerance (REL_TOL, or the row's meta `rel_tol`); else 0.0. None for a target
+    that is no number."""
+    out = []
+    for c, t, m in zip(completions, targets, metas):
+        tol = m.get("rel_tol", REL_TOL) if isinstance(m, dict) else REL_TOL
+        tol = tol if isinstance(tol, float) and 0 <= tol < 1 else REL_TOL
+        out.append(_numeric_row(c, t, tol))
+    return out
+
+
+def _numeric_format_row(completion: str) -> float:
+    try:
+        marked = marked_answer(completion)
+        return float(marked is not None and to_number(_normalise(marked)) is not None)
+    except Exception:
+        return 0.0
+
+
+@register("numeric_format")
+def numeric_format(prompts, completions, targets, metas):
+    """1.0 when the completion marks its final answer (<answer> tags, \\boxed{} or `####`)
+    and that answer is a number, else 0.0: the form, not correctness."""
+    return [_numeric_format_row(c) for c in completions]

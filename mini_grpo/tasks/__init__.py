@@ -12,9 +12,11 @@ policy must beat (chess: the start position). evaluate.py knows no task by name.
     chess_fen   random legal games -> FEN (tasks/chess_fen.py); also from task_args.pgn_path
     countdown   numbers and a target -> an arithmetic expression reaching it (tasks/countdown.py)
     jsonl       any {"prompt", "target"} rows from `data_path` (tasks/jsonl.py)
+    numeric     unit conversions and short arithmetic with numeric answers, for pretrained
+                chat models (tasks/numeric.py)
 
 With `data_path` set, every task reads its rows from that file instead of making its own.
-Importing this package registers the three; task_registry imports it on the first lookup.
+Importing this package registers the four; task_registry imports it on the first lookup.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mini_grpo.task_registry import get_task
-from mini_grpo.tasks import chess_fen, countdown, jsonl
+from mini_grpo.tasks import chess_fen, countdown, jsonl, numeric
 from mini_grpo.tasks.base import Example, TaskData, split_held_out
 from mini_grpo.tasks.jsonl import load_jsonl
 
@@ -36,4 +38,4 @@ def build_task(cfg: GRPOConfig) -> TaskData:
 
 
 __all__ = ["Example", "TaskData", "build_task", "chess_fen", "countdown", "jsonl", "load_jsonl",
-           "split_held_out"]
+           "numeric", "split_held_out"]

@@ -1,0 +1,107 @@
+"""The numeric task (tasks/numeric.py) and its rewards (numeric_answer, numeric_format): every
+generated answer checked by an independent solver of the question's text, the split, the
+options, and the rewards on hand-picked completions."""
+
+import re
+from fractions import Fraction
+
+import pytest
+from conftest import tiny
+
+from mini_grpo.fields import ConfigError
+from mini_grpo.rewards.answers import numeric_answer, numeric_format
+from mini_grpo.tasks import build_task
+from mini_grpo.tasks.numeric import KINDS, Args, generate_split
+
+# the value of each unit in a base unit of its kind
+BASE = {"millimeter": Fraction(1, 1000), "centimeter": Fraction(1, 100), "meter": 1,
+        "kilometer": 1000, "milligram": Fraction(1, 1000), "gram": 1, "kilogram": 1000,
+        "milliliter": Fraction(1, 1000), "liter": 1, "second": 1, "minute": 60, "hour": 3600,
+        "day": 86400, "week": 604800}
+NUM = r"(\d+(?:\.\d+)?)"
+
+
+def solve(prompt: str) -> Fraction:
+    """The answer of a question, read from its words alone."""
+    q = prompt.split("?")[0] + "?" if "?" in prompt else prompt.split(".")[0]
+    n = [Fraction(x) for x in re.findall(NUM, q)]
+    if m := re.match(rf"What is {NUM} ([-+*]) {NUM}\?", q):
+        a, op, b = Fraction(m[1]), m[2], Fraction(m[3])
+        return {"+": a + b, "-": a - b, "*": a * b}[op]
+    if "gets" in q:
+        return n[0] + n[1]
+    if "gives away" in q:
+        return n[0] - n[1]
+    if "holds" in q:
+        return n[0] * n[1]
+    if "shares" in q:
+        return n[0] / n[1]
+    if m := re.match(rf"How many (\w+?)s are in {NUM} (\w+?)s?\?", q):
+        return Fraction(m[2]) * BASE[m[3]] / BASE[m[1]]
+    m = re.match(rf"Convert {NUM} (\w+?)s? to (\w+?)s", prompt)
+    return Fraction(m[1]) * BASE[m[2]] / BASE[m[3]]
+
+
+def test_every_answer_is_right_and_the_split_is_clean():
+    train, held = generate_split(400, Args(num_train=3000), seed=3)
+    assert len(held) == 400 and len(train) == 3000
+    assert len({ex.prompt for ex in held}) == 400  # distinct
+    assert not {ex.prompt for ex in held} & {ex.prompt for ex in train}
+    assert {ex.meta["kind"] for ex in held} == set(KINDS)
+    for ex in train + held:
+        value = Fraction(ex.meta["answer"])
+        assert value == solve(ex.prompt), ex.prompt
+        assert ex.target == f"<answer>{ex.meta['answer']}</answer>"
+        assert ex.prompt.endswith("Put the final answer in <answer></answer> tags.")
+    assert generate_split(400, Args(num_train=3000), seed=3)[1][0].prompt == held[0].prompt
+    assert generate_split(400, Args(num_train=3000), seed=4)[1][0].prompt != held[0].prompt
+
+
+def test_options():
+    train, held = generate_split(50, Args(kinds=["convert"], num_train=100, instruction=""),
+                                 seed=0)
+    assert {ex.meta["kind"] for ex in train + held} == {"convert"}
+    assert all(ex.prompt.endswith(("?", ".")) and "<answer>" not in ex.prompt for ex in held)
+    for args, needle in ((Args(kinds=["divide"]), "task_args.kinds"),
+                         (Args(kinds=[]), "task_args.kinds"),
+                         (Args(num_train=0), "task_args.num_train")):
+        with pytest.raises(ConfigError, match=needle):
+            args.check()
+    with pytest.raises(ConfigError, match="num_eval"):  # more than the kind has
+        generate_split(1000, Args(kinds=["mul"], num_train=10), seed=0)  # 712 exist
+
+
+def test_task_through_the_config():
+    cfg = tiny(task="numeric", num_eval=32, task_args={"num_train": 200})
+    data = build_task(cfg)
+    assert [r["name"] for r in data.default_rewards] == ["numeric_format", "numeric_answer"]
+    completions = [ex.target for ex in data.eval[:2]] + ["I do not know", "<answer>0</answer>"]
+    cols = data.eval_columns(data.eval[:4], completions)
+    assert cols["correct"].tolist()[:3] == [1.0, 1.0, 0.0]
+    assert data.eval_bucket(data.eval[0]) in KINDS
+    ex = data.eval[0]
+    assert data.trivial_answers["first_number"](ex) == \
+        f"<answer>{re.search(NUM, ex.prompt)[1]}</answer>"
+
+
+@pytest.mark.parametrize("completion, target, want", [
+    ("The answer is 3500.", "<answer>3500</answer>", 1.0),  # the last number
+    ("<answer>4.5</answer> so 3 more", "<answer>4.5</answer>", 1.0),  # the tag wins
+    ("<answer>3499</answer>", "3500", 0.0),  # integers: exactly
+    ("<answer>3.333</answer>", "3.3333", 1.0),  # decimals: within 1e-3 relative
+    ("<answer>3.3</answer>", "3.3333", 0.0),
+    ("4,500 grams", "4500", 1.0),
+    ("<answer>4.50 kg</answer>", "4.5", 1.0),
+    ("no number at all", "12", 0.0),
+    ("", "12", 0.0),
+    ("12", "twelve", None),  # a target that is no number is not scored
+])
+def test_numeric_answer(completion, target, want):
+    assert numeric_answer([], [completion], [target], [{}]) == [want]
+
+
+def test_numeric_answer_row_tolerance_and_format():
+    assert numeric_answer([], ["3.3"], ["3.3333"], [{"rel_tol": 0.05}]) == [1.0]
+    assert numeric_format([], ["<answer>12</answer>", "<answer>twelve</answer>", "12",
+                               "\\boxed{7}", "<answer>12"], [], [{}] * 5) == \
+        [1.0, 0.0, 0.0, 1.0, 0.0]
