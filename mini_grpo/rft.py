@@ -8,9 +8,10 @@
 For every distinct prompt of the split, `rft_oversample` completions are sampled in batched,
 KV-cached passes of `rft_prompts_per_batch` prompts, scored with the run's rewards, and the best
 one is kept when it reaches `rft_min_reward` (`rft_keep: all` keeps every distinct one that
-does). Rows are `{prompt, target, completion, reward, rewards: {plugin: value}}`: the JSONL
-task loader reads them (completion, reward and rewards become metadata) and SFT trains on
-`completion`.
+does) and ended by itself: a completion cut off at `max_new_tokens` is never kept (SFT would
+teach the model to stop mid-sentence). Rows are `{prompt, target, completion, reward,
+rewards: {plugin: value}}`: the JSONL task loader reads them (completion, reward and rewards
+become metadata) and SFT trains on `completion`.
 
 Each rank appends whole lines to its own shard (`<output>.rank<R>`, flushed per batch) and
 lists the prompts it has finished in `<output>.rank<R>.done`, so a re-run skips them; rank 0
@@ -103,8 +104,8 @@ def generate_rft_data(run, examples, output: str | Path, amp: bool = True) -> di
             lines = []
             for j, p in enumerate(batch):
                 cand = {}  # distinct completions of this prompt -> row index
-                for k in range(j * K, (j + 1) * K):
-                    if res.total[k] >= cfg.rft_min_reward:
+                for k in range(j * K, (j + 1) * K):  # whole answers only: ended by EOS
+                    if res.total[k] >= cfg.rft_min_reward and r.finished[k]:
                         cand.setdefault(r.texts[k], k)
                 picked = sorted(cand.values(), key=lambda k: -res.total[k])
                 for k in picked[:1] if cfg.rft_keep == "best" else picked:

@@ -11,7 +11,8 @@ Loaders: YAML configs, `--key=value` overrides and task_args (config.load_config
 prompt and messages (tasks/jsonl.py); a model directory's config.json, tokenizer_config.json,
 generation_config.json, model.safetensors.index.json and safetensors headers (models/hf.py,
 HFTokenizer.from_dir); chat templates (chat_template.py); checkpoints (run.checkpoint_config,
-build_policy, tokenizer_from_state); GGUF files (models/gguf.py). What they found is in tests/test_untrusted.py.
+build_policy, tokenizer_from_state); GGUF files (models/gguf.py). What they found is in
+tests/test_untrusted.py.
 """
 
 import json

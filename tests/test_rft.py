@@ -105,8 +105,17 @@ def test_torchrun_two_processes_cover_the_same_prompts_as_one(sft_checkpoint, tm
         r = subprocess.run([*launcher, "-m", "mini_grpo", *args, "--output", str(out)],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
+        assert summary["prompts_generated_now"] == 12 and summary["completions_generated_now"] \
+            == 12 * 4 and summary["world_size"] == n  # every prompt sampled, once
         outs[n] = [json.loads(line)["prompt"] for line in out.open()]
-    assert len(outs[1]) == 12 and outs[1] == outs[2]  # same prompts, same (prompt) order
+    # rows in the prompts' order whatever the shards (the ranks draw their own samples, and
+    # a prompt none of whose completions ended by itself has no row)
+    run, _, prompts = rft_run(sft_checkpoint)
+    run.close()
+    for n in (1, 2):
+        assert len(outs[n]) >= 9 and set(outs[n]) <= set(prompts)
+        assert outs[n] == sorted(outs[n], key=prompts.index)
 
 
 def test_loader_skips_a_truncated_last_line_but_not_a_bad_middle_one(tmp_path, caplog):
@@ -146,3 +155,27 @@ def test_rft_data_made_with_other_options_is_generated_again(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "not resuming" in out and "generated with other temperature" in out
     assert "0 of this rank's 12 already done" in out
+
+
+def test_rft_grpo_mode_evaluates_before_after_rft_and_after_grpo_and_resumes(tmp_path, capsys):
+    """mode rft_grpo: RFT from init_from's model (here one of our SFT checkpoints), then GRPO
+    from the RFT model; eval.json keeps before / rft / after, reward.png is drawn; a second
+    run with more steps resumes GRPO and keeps the first evaluations."""
+    pytest.importorskip("matplotlib")
+    warm = tmp_path / "warm"
+    train(load_config("tiny", {"out_dir": str(warm), "mode": "sft", "sft_steps": "6", **OPTS},
+                      env={}))
+    opts = {"out_dir": str(tmp_path / "run"), "mode": "rft_grpo", "rft_sft_steps": "3",
+            "rft_min_reward": "0.0", "init_from": str(warm / "sft" / "step_0000006.pt"),
+            "max_steps": "2", "save_every": "2", **OPTS}
+    result = train(load_config("tiny", opts, env={}))
+    assert set(result) == {"before", "rft", "after", "baselines"}
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert saved["before"] == result["before"] and saved["rft"] == result["rft"]
+    assert result["rft"]["greedy"] != result["before"]["greedy"]  # RFT's SFT moved the model
+    assert (tmp_path / "run" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    again = train(load_config("tiny", {**opts, "max_steps": "3"}, env={}))
+    out = capsys.readouterr().out
+    assert "resuming GRPO from step 2" in out and "[eval] step 0" not in out
+    assert again["before"] == result["before"] and again["rft"] == result["rft"]

@@ -56,7 +56,8 @@ NAMES = ["Mia", "Leo", "Ava", "Noah", "Emma", "Liam", "Zoe", "Omar", "Sara", "Be
          "Max", "Nina", "Sam", "Lily", "Tom"]
 ITEMS = ["apples", "stickers", "marbles", "books", "pencils", "cookies", "cards", "stamps",
          "shells", "coins", "balloons", "oranges"]
-BOXES = ["box", "bag", "basket", "jar", "pack", "shelf"]
+BOXES = {"box": "boxes", "bag": "bags", "basket": "baskets", "jar": "jars", "pack": "packs",
+         "crate": "crates"}
 # (unit, plural, {other unit: how many of it one of this makes}): exact factors only
 UNITS = {
     "kilometer": {"meter": 1000}, "meter": {"centimeter": 100, "millimeter": 1000},
@@ -120,9 +121,9 @@ def question(rng: random.Random, kind: str) -> tuple[str, Fraction]:
         return (f"{name} has {a} {items} and gives away {b} of them. How many {items} does "
                 f"{name} have left?"), Fraction(a - b)
     if kind == "word_mul":
-        a, b, box = rng.randint(2, 12), rng.randint(2, 12), rng.choice(BOXES)
-        return (f"Each {box} holds {a} {items}. How many {items} are in {b} "
-                f"{box}{'es' if box.endswith('x') else 's'}?"), Fraction(a * b)
+        a, b, box = rng.randint(2, 12), rng.randint(2, 12), rng.choice(sorted(BOXES))
+        return (f"Each {box} holds {a} {items}. How many {items} are in {b} {BOXES[box]}?",
+                Fraction(a * b))
     if kind == "word_div":
         each, n = rng.randint(2, 12), rng.randint(2, 9)
         return (f"{name} shares {each * n} {items} equally among {n} friends. How many "

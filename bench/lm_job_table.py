@@ -1,0 +1,68 @@
+"""The LM job's table: base / RFT / GRPO / RFT+GRPO on the numeric task's held-out questions,
+from the eval.json of two runs of configs/smollm2_numeric on the same machine:
+
+    python distributed_train.py --config smollm2_numeric                       # rft_grpo
+    python distributed_train.py --config smollm2_numeric --mode=grpo \\
+        --out_dir=runs/smollm2_numeric_grpo                                     # GRPO alone
+    python bench/lm_job_table.py runs/smollm2_numeric runs/smollm2_numeric_grpo \\
+        --out bench/lm_job_<cpu>.json
+
+Rows: the base model (the rft_grpo run's "before"), after RFT ("rft"), after GRPO alone (the
+grpo run's "after") and after RFT then GRPO ("after"); columns: greedy and sampled accuracy
+(`correct`) with standard errors, and the gain over the base in points and in standard errors
+of the difference. `--minutes`: the runs' wall times as measured (`time`), recorded beside."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from mini_grpo.dtype_probe import cpu_name
+
+
+def accuracy(ev: dict) -> tuple[float, float]:
+    p, n = ev["correct"], ev["n"]
+    return p, math.sqrt(max(p * (1 - p), 0.0) / n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rft_grpo", help="run directory of mode rft_grpo")
+    ap.add_argument("grpo", nargs="?", help="run directory of mode grpo (optional)")
+    ap.add_argument("--minutes", nargs="*", type=float, default=[],
+                    help="wall minutes of the runs, in the same order")
+    ap.add_argument("--out", help="JSON file to write")
+    args = ap.parse_args()
+    a = json.loads((Path(args.rft_grpo) / "eval.json").read_text())
+    rows = {"base": a["before"], "RFT": a.get("rft")}
+    if args.grpo:
+        rows["GRPO"] = json.loads((Path(args.grpo) / "eval.json").read_text())["after"]
+    rows["RFT+GRPO"] = a["after"]
+    base = {m: accuracy(rows["base"][m]) for m in ("greedy", "sampled")}
+    table = {}
+    print("| model | greedy accuracy | gain | sampled accuracy | gain |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, ev in rows.items():
+        if ev is None:
+            continue
+        cells, entry = [], {}
+        for m in ("greedy", "sampled"):
+            p, se = accuracy(ev[m])
+            gain = p - base[m][0]
+            z = gain / math.sqrt(se ** 2 + base[m][1] ** 2) if name != "base" else 0.0
+            entry[m] = {"accuracy": p, "se": se, "gain_points": 100 * gain, "gain_se": z,
+                        "n": ev[m]["n"]}
+            cells += [f"{100 * p:.1f}% ± {100 * se:.1f}",
+                      "" if name == "base" else f"{100 * gain:+.1f} points ({z:.1f} s.e.)"]
+        table[name] = entry
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    result = {"cpu": cpu_name(), "config": "smollm2_numeric", "rows": table,
+              "minutes": dict(zip(["rft_grpo", "grpo"], args.minutes))}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
