@@ -12,7 +12,8 @@ does not know the `smollm` pre-tokenizer and would split digits differently from
 
 The way out too: `mini-grpo export --checkpoint models/smollm2-135m-instruct --output X.gguf`
 in f16 and q8_0, each loaded by transformers (`gguf_file=`), its logits on the three chat
-prompts against those of the directory it came from (max and mean absolute difference)."""
+prompts against those of the directory it came from (max and mean absolute difference);
+`--exports_of DIR` does that alone for another directory (the LM job's hf/, say)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,11 @@ def transformers_greedy() -> list[str]:
     return out
 
 
-def exports() -> dict:
+def exports(model_dir: Path = DIR) -> dict:
     import torch
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(DIR)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                    return_tensors="pt", return_dict=True)["input_ids"]
            for p in PROMPTS]
@@ -74,12 +75,12 @@ def exports() -> dict:
         with torch.no_grad():
             return [model(x).logits for x in ids]
 
-    want, out = logits(DIR), {}
+    want, out = logits(model_dir), {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("f16", "q8_0"):
             file = Path(tmp) / f"smollm2-{kind}.gguf"
             subprocess.run([sys.executable, "-m", "mini_grpo", "export", "--checkpoint",
-                            str(DIR), "--output", str(file), "--gguf_type", kind],
+                            str(model_dir), "--output", str(file), "--gguf_type", kind],
                            check=True, capture_output=True)
             got = logits(tmp, gguf_file=file.name)
             diff = torch.cat([(a - b).abs().flatten() for a, b in zip(got, want)])
@@ -92,7 +93,15 @@ def exports() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument("--exports_of", help="only the export check, of this model directory "
+                                         "(a run's hf/, say)")
     args = ap.parse_args()
+    if args.exports_of:
+        result = {"cpu": cpu_name(), "model_dir": args.exports_of,
+                  "exports_vs_directory_logits": exports(Path(args.exports_of))}
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     if not (DIR / "config.json").is_file() or not GGUF.is_file():
         sys.exit("run `make model` first")
     rows = [{"prompt": p, "transformers_gguf": t, "ours_dir": a, "ours_gguf": b,
