@@ -288,20 +288,22 @@ def import_gguf_main(argv: list[str]) -> int:
 
 def check_output_dir(output: str) -> None:
     """A directory a command may (re)write: absent (its parent present), empty, or holding a
-    model directory that save_hf wrote (its marker file); ConfigError naming it otherwise."""
+    model directory that save_hf wrote (its marker file) and nothing else; ConfigError naming
+    it otherwise."""
     from pathlib import Path
 
-    from .models.hf import MARKER
+    from .models.hf import MARKER, WRITTEN
 
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output {output}: exists and is not a directory; not overwritten")
     if not out.exists() and not out.absolute().parent.is_dir():
         raise ConfigError(f"output {output}: its parent directory does not exist")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [n for n in names if not WRITTEN.fullmatch(n)] if MARKER in names else names
+    if foreign:
         raise ConfigError(f"output {output}: exists and holds files mini-grpo did not write "
-                          f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
                           f"not overwritten (choose a new directory)")
 
 

@@ -149,6 +149,12 @@ def test_commands_never_overwrite_what_they_did_not_write(tmp_path):
     r = cli("export", "--checkpoint", file, "--output", notes)
     assert r.returncode == 2 and "not overwritten" in r.stderr, r.stderr
     assert notes.read_text() == "my notes"
+    out = tmp_path / "imported"
+    assert cli("import-gguf", file, out).returncode == 0
+    (out / "notes.txt").write_text("added to an earlier import")  # then not ours alone
+    r = cli("import-gguf", file, out)
+    assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
+    assert (out / "notes.txt").read_text() == "added to an earlier import"
     r = cli("import-gguf", file, tmp_path / "missing" / "out")
     assert r.returncode == 2 and "parent" in r.stderr, r.stderr
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +41,10 @@ HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few kB; refuse to parse anything huge
 SHARD_BYTES = 5 * 10**9  # save_hf: shards above this size, as save_pretrained does
 MARKER = ".mini-grpo-export"  # save_hf's mark: a directory it may replace next time
+# every name save_hf writes: a marked directory holding anything else is not replaced
+WRITTEN = re.compile(r"\.mini-grpo-export|(generation_)?config\.json|model\.safetensors"
+                     r"(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors|tokenizer\.json"
+                     r"|tokenizer_config\.json")
 
 
 def read_config(path: str | Path) -> dict:
