@@ -219,6 +219,8 @@ def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None
            "params_M": round(model.num_params() / 1e6, 3), "precision": prec.describe(),
            "step_s": {"median": statistics.median(step_s), "min": min(step_s),
                       "max": max(step_s)},
+           "per_step": {"step_s": step_s,
+                        "completion_len": [h["completion_len/mean"] for h in timed]},
            "phase_s": {p: med(f"time/{p}") for p in phases},
            "generated_tokens_per_s": med("tokens_per_s"),
            "train_tokens_per_s": statistics.median(h["tokens/train"] / h["time/step"]

@@ -1,0 +1,164 @@
+"""The LM job's GRPO step against TRL's GRPOTrainer doing the same work, side by side.
+
+    python bench/trl_step.py [--warmup 1] [--steps 4] [--out bench/trl_step_<cpu>.json]
+
+Needs `make model` (models/smollm2-135m-instruct: SmolLM2-135M-Instruct, real weights) and
+`pip install trl==1.16.*` (not a dependency of mini-grpo; it brings datasets and pandas).
+
+The work, the LM job's (configs/smollm2_numeric.yaml, mode grpo): 8 numeric-task training
+prompts through the model's chat template, 8 completions each (64 rows) of at most 80 new
+tokens sampled at temperature 0.7, rewards numeric_format (0.1) + numeric_answer (0.9), then
+one policy pass over the 64 rows in micro-batches of 16 (TRL: per_device_train_batch_size 16,
+gradient_accumulation_steps 4, which makes its generation batch 64), the DAPO loss with clip
+0.2/0.28, beta 0 (no reference model), AdamW at lr 2e-5. Both on 2 threads, one process each.
+
+Ours runs as `benchmark.py --config smollm2_numeric --only step` (the trainer's own step, its
+precision from the dtype probe). TRL runs twice, in fp32 and with `bf16=True` (autocast in
+training; its generation stays fp32), with gradient checkpointing off (its default is on, which
+is slower on a model this small): its faster one is the baseline. Each step is timed end to
+end (TRL: between consecutive on_step_end callbacks; ours: the trainer's time/step), after
+`--warmup` steps. The prompts differ (each trainer draws its own from the same training set),
+so the mean completion length of each step is recorded too, and time per generated token is
+reported beside time per step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "smollm2-135m-instruct"
+WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=2e-5)
+
+
+def run_trl(precision: str, warmup: int, steps: int) -> dict:
+    """TRL's GRPOTrainer on the job's work, in this process."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mini_grpo.config import GRPOConfig as OurConfig
+    from mini_grpo.rewards.answers import numeric_answer, numeric_format
+    from mini_grpo.tasks.numeric import Args, build
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    task = build(OurConfig(task="numeric", num_eval=500), Args())
+    rows = [{"prompt": [{"role": "user", "content": ex.prompt}], "target": ex.target}
+            for ex in task.train[:2000]]
+
+    def text(c):  # a conversational completion: [{"role": "assistant", "content": ...}]
+        return c[0]["content"] if isinstance(c, list) else c
+
+    def fmt(prompts, completions, target, **kw):
+        return numeric_format(prompts, [text(c) for c in completions], target, [{}] * len(target))
+
+    def answer(prompts, completions, target, **kw):
+        return numeric_answer(prompts, [text(c) for c in completions], target,
+                              [{}] * len(target))
+
+    ends: list[float] = []
+    lengths: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=WORK["micro"],
+            gradient_accumulation_steps=WORK["prompts"] * WORK["group"] // WORK["micro"],
+            num_generations=WORK["group"], max_completion_length=WORK["new_tokens"],
+            temperature=WORK["temperature"], top_k=0, top_p=1.0, beta=0.0,
+            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", learning_rate=WORK["lr"],
+            use_cpu=True, bf16=precision == "bf16", gradient_checkpointing=False,
+            logging_steps=1, report_to=[], save_strategy="no", seed=0,
+            reward_weights=[0.1, 0.9], dataloader_num_workers=0, disable_tqdm=True)
+        tok = AutoTokenizer.from_pretrained(MODEL)
+        model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+        trainer = GRPOTrainer(model=model, args=args, processing_class=tok,
+                              reward_funcs=[fmt, answer], train_dataset=Dataset.from_list(rows),
+                              callbacks=[Clock()])
+        trainer.train()
+    step_s = [b - a for a, b in zip(ends, ends[1:])][warmup:]
+    lens = lengths[warmup:]
+    return summary(step_s, lens, precision=precision, trl=__import__("trl").__version__)
+
+
+def summary(step_s: list[float], lens: list[float], **extra) -> dict:
+    rows = WORK["prompts"] * WORK["group"]
+    per_tok = [s / (n * rows) for s, n in zip(step_s, lens)]
+    return {**extra, "step_s": step_s, "completion_len": lens,
+            "median_step_s": statistics.median(step_s),
+            "median_s_per_generated_token": statistics.median(per_tok)}
+
+
+def run_ours(warmup: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config", "smollm2_numeric",
+                        "--only", "step", "--warmup", str(warmup), "--steps", str(steps),
+                        "--budget_s", "0", "--json", str(out)], check=True, cwd=ROOT)
+        r = json.loads(out.read_text())
+    step = r["step"]
+    return summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
+                   precision=step["precision"], phase_s=step["phase_s"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--trl", choices=["fp32", "bf16"], help=argparse.SUPPRESS)  # one child run
+    a = ap.parse_args()
+    if a.trl:
+        print(json.dumps(run_trl(a.trl, a.warmup, a.steps)))
+        return 0
+    if not (MODEL / "config.json").exists():
+        sys.exit(f"{MODEL}: not found; run `make model` first")
+    from mini_grpo.dtype_probe import cpu_name
+
+    results = {"cpu": cpu_name(), "work": WORK, "warmup": a.warmup, "steps": a.steps}
+    results["mini_grpo"] = run_ours(a.warmup, a.steps)
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    for precision in ("fp32", "bf16"):
+        r = subprocess.run([sys.executable, __file__, "--trl", precision, "--warmup",
+                            str(a.warmup), "--steps", str(a.steps)], cwd=ROOT, env=env,
+                           check=True, stdout=subprocess.PIPE, text=True)
+        results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
+    best = min(("trl_fp32", "trl_bf16"), key=lambda k: results[k]["median_step_s"])
+    ours = results["mini_grpo"]
+    results["baseline"] = best
+    results["ratio_step"] = ours["median_step_s"] / results[best]["median_step_s"]
+    results["ratio_per_generated_token"] = (ours["median_s_per_generated_token"]
+                                            / results[best]["median_s_per_generated_token"])
+    for k in ("mini_grpo", "trl_fp32", "trl_bf16"):
+        r = results[k]
+        print(f"{k:10s} step {r['median_step_s']:6.1f} s  "
+              f"({1e3 * r['median_s_per_generated_token']:.2f} ms per generated token, "
+              f"mean completion {statistics.mean(r['completion_len']):.1f} tokens)")
+    print(f"mini-grpo / TRL ({best}): {results['ratio_step']:.2f}x the time per step, "
+          f"{results['ratio_per_generated_token']:.2f}x per generated token")
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
