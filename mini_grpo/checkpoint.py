@@ -38,6 +38,7 @@ import torch
 
 from . import distributed as D
 from . import fsdp
+from .outputs import write_reason
 
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 _TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")
@@ -177,7 +178,7 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
             tmp.unlink(missing_ok=True)
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
             raise
-        raise CheckpointWriteError(f"cannot write checkpoint {path}: {_reason(e)}") from e
+        raise CheckpointWriteError(f"cannot write checkpoint {path}: {write_reason(e)}") from e
     prune(directory, keep, path)
     return path
 
@@ -185,7 +186,9 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
 def prune(directory: Path, keep: int, written: Path) -> None:
     """After `written`: removes the same step saved in the other form (one file or fsdp's
     shards: a run that changed its parallelism), then all but the newest `keep` checkpoints
-    (0: keeps all)."""
+    that load (0: keeps all), up to `written`'s step. Only loadable ones count and go: one
+    that does not load is left as it is (the run overwrites it when it gets to that step),
+    and so is any of a later step (a resume skipped it: this run's steps have not got there)."""
     def remove(old: Path) -> None:
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
@@ -193,8 +196,22 @@ def prune(directory: Path, keep: int, written: Path) -> None:
             old.unlink(missing_ok=True)
 
     remove(written.with_suffix(".pt" if written.suffix == ".dcp" else ".dcp"))
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+    if keep <= 0:
+        return
+    upto = int(_NAME.match(written.name).group(1))
+    good = [p for p in list_checkpoints(directory)
+            if int(_NAME.match(p.name).group(1)) <= upto and (p == written or loadable(p))]
+    for old in good[:-keep]:
         remove(old)
+
+
+def loadable(path: Path) -> bool:
+    """Whether checkpoint `path` loads (its tensors mapped, not read)."""
+    try:
+        load_checkpoint(path, mmap=True)
+    except CheckpointError:
+        return False
+    return True
 
 
 def clean_stale_temps(directory: str | Path) -> list[Path]:
@@ -246,21 +263,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _reason(e: BaseException) -> str:
-    """One line for a failed write; torch.save hides the OSError of a full disk in the
-    context of a RuntimeError('[enforce fail at inline_container.cc ...] unexpected pos')."""
-    seen, cause = set(), e
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            return "disk full"
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror
-        cause = cause.__cause__ or cause.__context__
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Checkpoint files in step order, oldest first."""
     directory = Path(directory)
@@ -270,15 +272,16 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict[str, Any]:
-    """Loads one checkpoint; a missing or unreadable file is a CheckpointError naming it."""
+def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) -> dict[str, Any]:
+    """Loads one checkpoint; a missing or unreadable file is a CheckpointError naming it.
+    `mmap`: the tensors mapped, not read (checks that it loads, at little cost)."""
     path = Path(path)
     if path.is_dir() and path.suffix == ".dcp":
         return _sharded_meta(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, wrong format, non-allowlisted pickle ...
         raise CheckpointError(f"{path}: cannot load checkpoint ({_reason_to_refuse(e)})") \
             from None
@@ -307,6 +310,11 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
             from None
     if not isinstance(meta, dict) or "kind" not in meta:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (meta.pt has no 'kind')")
+    try:
+        fsdp.check_shards(path)
+    except Exception as e:  # a deleted or cut shard; unreadable .metadata
+        raise CheckpointError(f"{path}: a sharded checkpoint that cannot load "
+                              f"({_reason_to_refuse(e)})") from None
     return {**meta, "sharded": str(path)}
 
 

@@ -45,13 +45,15 @@ def _guarded(fn) -> int:
     from .checkpoint import CheckpointError, CheckpointWriteError
     from .engines import EngineError
     from .guards import GuardError, NonFiniteError
+    from .outputs import OutputWriteError
     from .scoring import RewardError
 
     try:
         fn()
     except (ConfigError, CheckpointError, RewardError) as e:
         return _fail(e)
-    except (GuardError, NonFiniteError, CheckpointWriteError, EngineError) as e:
+    except (GuardError, NonFiniteError, CheckpointWriteError, OutputWriteError,
+            EngineError) as e:
         return _fail(e, code=1)
     return 0
 
@@ -141,8 +143,10 @@ def sample_main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true",
                     help='one {"prompt": ..., "completion": ...} object per line')
     args, rest = ap.parse_known_args(argv)
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        return _fail(ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}"))
+    try:
+        check_sample_args(args)
+    except ConfigError as e:
+        return _fail(e)
 
     def run_sample():
         import torch
@@ -157,21 +161,45 @@ def sample_main(argv: list[str]) -> int:
                 if run.tok.unknown_chars(p):
                     raise ConfigError(f"--prompt {p!r}: characters not in the model's "
                                       f"alphabet: {run.tok.unknown_chars(p)}")
-            prompts = [p for p in args.prompt for _ in range(args.n)]
             n = args.max_new_tokens or cfg.max_new_tokens
-            if max(len(run.tok.encode_prompt(p)) for p in prompts) + n > run.model.cfg.block_size:
+            if max(len(run.tok.encode_prompt(p)) for p in args.prompt) + n > \
+                    run.model.cfg.block_size:
                 raise ConfigError(f"--max_new_tokens: {n} more tokens do not fit the model's "
                                   f"{run.model.cfg.block_size} positions")
-            with run.precision.autocast(generation=True):
-                r = sample(run.model, run.tok, prompts, n, greedy=args.greedy,
-                           temperature=args.temperature,
-                           generator=torch.Generator().manual_seed(args.seed))
-        for p, text in zip(prompts, r.texts):
-            line = json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) \
-                if args.json else f"{p} {text}"
-            print(line)
+            prompts = [p for p in args.prompt for _ in range(args.n)]
+            gen = torch.Generator().manual_seed(args.seed)
+            for i in range(0, len(prompts), SAMPLE_BATCH):  # printed as they come
+                batch = prompts[i:i + SAMPLE_BATCH]
+                with run.precision.autocast(generation=True):
+                    r = sample(run.model, run.tok, batch, n, greedy=args.greedy,
+                               temperature=args.temperature, generator=gen)
+                for p, text in zip(batch, r.texts):
+                    line = json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) \
+                        if args.json else f"{p} {text}"
+                    print(line, flush=True)
 
     return _guarded(run_sample)
+
+
+SAMPLE_BATCH = 64  # rows sampled together by `sample`: its memory does not grow with --n
+
+
+def check_sample_args(args) -> None:
+    """sample's own flags, checked as the config's fields are: ConfigError naming the flag."""
+    import math
+
+    from .task_registry import MAX_GENERATED
+
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}")
+    if args.n < 1:
+        raise ConfigError(f"--n: must be >= 1, got {args.n}")
+    if args.n * len(args.prompt) > MAX_GENERATED:
+        raise ConfigError(f"--n: {args.n:,} completions of {len(args.prompt)} prompt(s) are "
+                          f"more than {MAX_GENERATED:,} rows")
+    if not args.greedy and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ConfigError(f"--temperature: must be a finite number > 0 (or --greedy), got "
+                          f"{args.temperature}")
 
 
 def rft_generate_main(argv: list[str]) -> int:
@@ -179,7 +207,9 @@ def rft_generate_main(argv: list[str]) -> int:
                                  description="rejection-sampling data from a checkpoint "
                                              "(any config field as --key=value)")
     ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--output", required=True, help="JSONL file to write (resumed if present)")
+    ap.add_argument("--output", required=True,
+                    help="JSONL file to write; an earlier output of this command with the same "
+                         "settings is resumed, any other file is refused")
     ap.add_argument("--split", choices=["train", "eval"], default="train")
     args, rest = ap.parse_known_args(argv)
 
@@ -191,7 +221,8 @@ def rft_generate_main(argv: list[str]) -> int:
         with setup(cfg, checkpoint=state, log=False, train=False) as run:
             examples = first_prompts(run.task.train, cfg.rft_num_prompts) \
                 if args.split == "train" else run.task.eval
-            generate_rft_data(run, examples, args.output)
+            generate_rft_data(run, examples, args.output, source={
+                "checkpoint": os.path.abspath(args.checkpoint), "split": args.split})
 
     return _guarded(run_rft)
 
@@ -203,8 +234,9 @@ def export_main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint", required=True,
                     help="one of our checkpoints, a Hugging Face directory or a GGUF file")
     ap.add_argument("--output", required=True,
-                    help="directory to write (replaced), or FILE.gguf (a GGUF file that "
-                         "llama.cpp, ollama and LM Studio run)")
+                    help="directory to write (new, empty, or an earlier export: never one "
+                         "holding other files), or FILE.gguf (a GGUF file that llama.cpp, "
+                         "ollama and LM Studio run)")
     ap.add_argument("--gguf_type", default="f16",
                     choices=["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"],
                     help="the weights' type in a GGUF file (1-D tensors stay f32)")
@@ -218,13 +250,19 @@ def export_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     def run_export():
-        from .lora import is_lora, merged_state_dict, save_adapter
-        from .models.hf import export_dtype, save_hf
+        from .lora import ADAPTER_FILES, is_lora, merged_state_dict, save_adapter
+        from .models.hf import WRITTEN, export_dtype, save_hf
+        from .outputs import check_replaceable
         from .run import build_policy
 
+        gguf = args.output.lower().endswith(".gguf") and not args.adapter
+        if gguf:
+            _check_gguf_output(args.output)
+        else:  # before any work: a run directory or a user's files are never replaced
+            check_replaceable(args.output, ADAPTER_FILES if args.adapter else WRITTEN)
         state, cfg = _from_checkpoint(args.checkpoint, ["--rewards=null"])
         model, tok = build_policy(cfg, None, state)
-        if args.output.lower().endswith(".gguf") and not args.adapter:
+        if gguf:
             path = _write_gguf(model, tok, args.output, args.gguf_type,
                                merged_state_dict(model))
         elif args.adapter:
@@ -243,9 +281,19 @@ def export_main(argv: list[str]) -> int:
 def _write_gguf(model, tok, output: str, gguf_type: str, state: dict):
     """write_gguf into `output`, refusing to replace a file that is not a GGUF export of
     ours; its ValueErrors (what GGUF cannot say) as ConfigError."""
+    from .models.gguf import write_gguf
+
+    out = _check_gguf_output(output)
+    try:
+        return write_gguf(model, tok, out, gguf_type, state=state)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_gguf_output(output: str):
     from pathlib import Path
 
-    from .models.gguf import is_our_gguf, write_gguf
+    from .models.gguf import is_our_gguf
 
     out = Path(output)
     if out.exists() and not is_our_gguf(out):
@@ -253,10 +301,7 @@ def _write_gguf(model, tok, output: str, gguf_type: str, state: dict):
                           f"not overwritten (remove it, or choose another name)")
     if not out.parent.is_dir():
         raise ConfigError(f"--output {output}: its directory {out.parent} does not exist")
-    try:
-        return write_gguf(model, tok, out, gguf_type, state=state)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return out
 
 
 def import_gguf_main(argv: list[str]) -> int:
@@ -275,36 +320,16 @@ def import_gguf_main(argv: list[str]) -> int:
         import torch
 
         from .models.gguf import load_gguf
-        from .models.hf import save_hf
+        from .models.hf import WRITTEN, save_hf
+        from .outputs import check_replaceable
 
-        check_output_dir(args.output)
+        check_replaceable(args.output, WRITTEN)
         print(f"reading {args.gguf}", flush=True)
         model, tok = load_gguf(args.gguf, dtype=torch.float32)
         path = save_hf(model, args.output, getattr(torch, args.dtype), tokenizer=tok)
         print(f"wrote {path} ({model.num_params() / 1e6:.1f}M parameters, {args.dtype})")
 
     return _guarded(run_import)
-
-
-def check_output_dir(output: str) -> None:
-    """A directory a command may (re)write: absent (its parent present), empty, or holding a
-    model directory that save_hf wrote (its marker file) and nothing else; ConfigError naming
-    it otherwise."""
-    from pathlib import Path
-
-    from .models.hf import MARKER, WRITTEN
-
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output {output}: exists and is not a directory; not overwritten")
-    if not out.exists() and not out.absolute().parent.is_dir():
-        raise ConfigError(f"output {output}: its parent directory does not exist")
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [n for n in names if not WRITTEN.fullmatch(n)] if MARKER in names else names
-    if foreign:
-        raise ConfigError(f"output {output}: exists and holds files mini-grpo did not write "
-                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
-                          f"not overwritten (choose a new directory)")
 
 
 def vllm_serve_main(argv: list[str]) -> int:

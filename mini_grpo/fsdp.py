@@ -27,6 +27,7 @@ Sampling does not: `full_params` unshards once per rollout, not once per decoded
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -290,6 +291,27 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def check_shards(path) -> None:
+    """Every byte range the metadata of sharded checkpoint `path` names is in its files: a
+    deleted or truncated shard is a ValueError naming it (DCP would trace back mid-load)."""
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    ends: dict[str, int] = {}
+    for info in (storage or {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        shard = Path(path) / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"shard {name!r} lies outside the checkpoint")
+        if not shard.is_file():
+            raise ValueError(f"shard {name} is missing")
+        if shard.stat().st_size < end:
+            raise ValueError(f"shard {name} is cut short ({shard.stat().st_size} of {end} "
+                             f"bytes)")
 
 
 def sharded_shapes(path) -> dict[str, torch.Size]:

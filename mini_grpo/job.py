@@ -15,7 +15,6 @@ import json
 import time
 from pathlib import Path
 
-from . import distributed as D
 from . import fsdp
 from .checkpoint import (
     CheckpointError,
@@ -31,7 +30,7 @@ from .models.hf import export_dtype, save_hf
 from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
-from .sft import stage_changes, train_sft
+from .sft import train_sft
 from .tasks import load_jsonl
 from .trainer import train_grpo
 
@@ -190,20 +189,9 @@ def run_rft(run: Run, amp: bool) -> bool:
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
-    stamp = data.with_name("config.json")  # the options the data was generated with
-    if run.dist.is_main and data.parent.is_dir():
-        changed = stage_changes(json.loads(stamp.read_text()), cfg, "rft_data") \
-            if stamp.is_file() else ["config (none saved)"]
-        if changed and any(data.parent.glob("data.jsonl*")):
-            run.print0(f"[rft] not resuming {data}: generated with other {', '.join(changed)}")
-            for f in data.parent.glob("data.jsonl*"):  # the file and the ranks' parts
-                f.unlink()
-    if run.dist.is_main:
-        data.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(cfg.to_dict()))
-    D.barrier()
     with fsdp.full_params(run.model):  # each rank samples alone
-        generate_rft_data(run, examples, data, amp)
+        # the run's own directory: data of other settings there is regenerated, not refused
+        generate_rft_data(run, examples, data, amp, replace_stale=True)
     try:
         accepted = load_jsonl(data)
     except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from .outputs import OutputWriteError, write_reason
 
 
 class RunLogger:
@@ -25,13 +26,15 @@ class RunLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
-        self.jsonl = open(self.out_dir / "metrics.jsonl", "a")
+        self.jsonl_path = self.out_dir / "metrics.jsonl"
+        self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # whole lines: _append
+        self.jsonl_size = _whole_lines(self.jsonl_path)
         self.console = sys.stdout  # where progress lines go (benchmark.py: stderr)
         self.prefix = ""  # put before each progress line
         self.tb = self.wandb = None
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.out_dir / "tb"))
+            self.tb = self._written("tb", SummaryWriter, str(self.out_dir / "tb"))
         if "wandb" in report_to:
             self.wandb = _wandb_run(self.out_dir, config)
         self.start_clock(0)
@@ -46,17 +49,42 @@ class RunLogger:
             v = float(v)
             row[prefix + k] = v if math.isfinite(v) else str(v)
             if self.tb is not None:
-                self.tb.add_scalar(prefix + k, v, step)
+                self._written("tb", self.tb.add_scalar, prefix + k, v, step)
         if self.wandb is not None:
             stage = prefix.split("/")[0] if prefix in ("sft/", "rft/") else ""
             self.wandb.log({**{k: v for k, v in row.items() if k != "step"},
                             f"{stage}/step" if stage else "step": step})
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        self._append(row)
+
+    def _append(self, row: dict) -> None:
+        """One whole line onto metrics.jsonl, or none: a failed write (disk full) cuts the
+        file back to its last whole line and stops the run with one line (OutputWriteError)."""
+        data = (json.dumps(row) + "\n").encode()
+        try:
+            done = 0
+            while done < len(data):
+                done += self.jsonl.write(data[done:])
+        except OSError as e:
+            try:
+                os.truncate(self.jsonl_path, self.jsonl_size)
+            except OSError:
+                pass
+            raise OutputWriteError(f"cannot write {self.jsonl_path}: {write_reason(e)}") \
+                from e
+        self.jsonl_size += len(data)
+
+    def _written(self, name: str, fn, *args):
+        """fn(*args); its OSError (a full disk under TensorBoard's writer) as one line naming
+        <out_dir>/name."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            raise OutputWriteError(f"cannot write {self.out_dir / name}: {write_reason(e)}") \
+                from e
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.tb is not None:
-            self.tb.add_text(tag, text, step)
+            self._written("tb", self.tb.add_text, tag, text, step)
         if self.wandb is not None:
             self.wandb.log({f"text/{tag}": text, "step": step})
 
@@ -64,8 +92,7 @@ class RunLogger:
         """Something the user must notice: console, TensorBoard text and the JSONL."""
         print(f"[mini-grpo] step {step}: {message}", flush=True)
         self.text(step, "events", message)
-        self.jsonl.write(json.dumps({"step": step, "event": message}) + "\n")
-        self.jsonl.flush()
+        self._append({"step": step, "event": message})
 
     def progress(self, step: int, metrics: dict[str, float]) -> None:
         """One console line: step, the given metrics, and an ETA from the mean step time."""
@@ -79,9 +106,23 @@ class RunLogger:
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
-            self.tb.close()
+            self._written("tb", self.tb.close)
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _whole_lines(path: Path) -> int:
+    """The size of `path` up to its last whole line, a partial one (a kill mid-write) cut."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - (1 << 20)))  # a line is far shorter than the tail read
+        tail = f.read()
+    if b"\n" not in tail and len(tail) < size:
+        return size  # no line end in the last MiB: not ours to cut
+    end = size - len(tail) + tail.rfind(b"\n") + 1
+    if end != size:
+        os.truncate(path, end)
+    return end
 
 
 def _wandb_run(out_dir: Path, config: dict | None):

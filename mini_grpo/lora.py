@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,10 +33,13 @@ from torch import nn
 
 from .jsonio import read_json_object
 from .models.hf import _theirs
+from .outputs import replace_dir
 
 DEFAULT_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj"],
                    "gpt": ["c_attn", "c_proj", "c_fc"]}
+# every name save_adapter writes: a marked directory holding anything else is not replaced
+ADAPTER_FILES = re.compile(r"\.mini-grpo-export|adapter_config\.json|adapter_model\.safetensors")
 MAX_CONFIG_BYTES = 1 << 16
 
 
@@ -207,8 +209,9 @@ def _peft_key(model, name: str, part: str) -> str:
 def save_adapter(model, directory: str | Path, base_model: str = "",
                  state: dict | None = None) -> Path:
     """adapter_config.json + adapter_model.safetensors, in PEFT's format, from the model's
-    adapters (or from `state`, its full state dict: a sharded model's, gathered). Written to
-    a temporary directory and renamed, so a kill never leaves half of one."""
+    adapters (or from `state`, its full state dict: a sharded model's, gathered). Only into a
+    new or empty directory or one save_adapter wrote (ConfigError otherwise); written to a
+    temporary directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
     info = getattr(model, "lora", None)
@@ -216,24 +219,21 @@ def save_adapter(model, directory: str | Path, base_model: str = "",
     if not mods or info is None:
         raise ValueError("save_adapter: the model has no LoRA adapters")
     state = adapter_keys(model.state_dict() if state is None else state)
-    out = Path(directory)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = {}
     for name in mods:
         for part in ("lora_A", "lora_B"):
             tensors[_peft_key(model, name, part)] = \
                 state[f"{name}.{part}.weight"].detach().to("cpu").contiguous()
-    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["r"],
               "lora_alpha": info["alpha"], "lora_dropout": info["dropout"],
               "target_modules": info["targets"], "bias": "none", "inference_mode": True,
               "fan_in_fan_out": model.family == "gpt", "base_model_name_or_path": base_model}
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+    return replace_dir(directory, ADAPTER_FILES, fill)
 
 
 def read_adapter_config(directory: str | Path) -> dict:

@@ -17,12 +17,19 @@ Each rank appends whole lines to its own shard (`<output>.rank<R>`, flushed per 
 lists the prompts it has finished in `<output>.rank<R>.done`, so a re-run skips them; rank 0
 then merges everything into `<output>` in prompt order (written to a temporary file and renamed)
 and saves `<output>.summary.json`.
+
+Those files are this command's alone: beside them `<output>.rft.json` says so and holds the
+settings the rows were generated with. A re-run resumes only where that file is there and its
+settings match; an output without it (a user's notes, their data) or with other settings is
+refused with one line naming it, and nothing is read, cut or written.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -30,7 +37,12 @@ import torch
 
 from . import distributed as D
 from .data import shard
+from .fields import ConfigError
 from .rollout import sample, score
+from .sft import stage_changes
+
+WRITTEN_BY = "mini-grpo rft-generate"
+_PART = re.compile(r"\.rank\d+(\.done)?")
 
 
 def first_prompts(examples: list, n: int) -> list:
@@ -65,14 +77,70 @@ def _read_done(path: Path) -> set[str]:
     return {r["prompt"] for r in _read_rows(path)}
 
 
+def sidecar(output: Path) -> Path:
+    return output.with_name(output.name + ".rft.json")
+
+
+def written_files(output: Path) -> list[Path]:
+    """Every file generate_rft_data writes for `output` that is there, the sidecar last."""
+    parts = sorted(p for p in output.parent.glob(glob.escape(output.name) + ".rank*")
+                   if _PART.fullmatch(p.name[len(output.name):]))
+    files = [output, Path(f"{output}.summary.json"), *parts, sidecar(output)]
+    return [p for p in files if p.is_file() or p.is_symlink()]
+
+
+def stale_reason(output: Path, cfg, source: dict) -> str | None:
+    """Why the files at `output` may not be resumed by this run (None: nothing there, or
+    ours with these settings): not written here, or written with other settings."""
+    files = written_files(output)
+    if not files:
+        return None
+    try:
+        stamp = json.loads(sidecar(output).read_text()) if sidecar(output).is_file() else None
+    except (OSError, ValueError):
+        stamp = None
+    if not (isinstance(stamp, dict) and stamp.get("written_by") == WRITTEN_BY
+            and isinstance(stamp.get("config"), dict)):
+        return f"{files[0]} exists and was not written by rft-generate " \
+               f"(no {sidecar(output).name} of its own beside it)"
+    changed = stage_changes(stamp["config"], cfg, "rft_data") + [
+        k for k in sorted(set(source) | set(stamp.get("source", {})))
+        if source.get(k) != stamp.get("source", {}).get(k)]
+    return f"{output} was generated with other {', '.join(changed)}" if changed else None
+
+
+def claim(run, output: Path, source: dict, replace_stale: bool) -> None:
+    """Makes `output` this run's to write, on every rank: resumed where it holds our rows of
+    these settings; else refused (ConfigError, nothing touched), or with `replace_stale` (a
+    run's own directory) our files there removed. Then the sidecar, by rank 0."""
+    reason = stale_reason(output, run.cfg, source)  # every rank sees the same files
+    D.barrier()
+    if reason and not replace_stale:
+        raise ConfigError(f"--output {output}: {reason}; not overwritten or resumed (choose "
+                          f"another file, or the same settings)")
+    if run.dist.is_main:
+        if reason:
+            run.print0(f"[rft] not resuming: {reason}")
+            for f in written_files(output):
+                f.unlink()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        sidecar(output).write_text(json.dumps({"written_by": WRITTEN_BY, "source": source,
+                                               "config": run.cfg.to_dict()}))
+    D.barrier()
+
+
 @torch.no_grad()
-def generate_rft_data(run, examples, output: str | Path, amp: bool = True) -> dict:
+def generate_rft_data(run, examples, output: str | Path, amp: bool = True,
+                      source: dict | None = None, replace_stale: bool = False) -> dict:
     """Writes the accepted completions of `examples` to `output`; returns the summary.
-    `amp`: sampling autocast still trusted (the verdict of the stage before)."""
+    `amp`: sampling autocast still trusted (the verdict of the stage before). `source`: what
+    else the rows depend on (the checkpoint, the split), compared on resume like the config.
+    `replace_stale`: `output` is in the run's own directory, and files there that may not be
+    resumed are removed instead of refused (claim)."""
     model, tok, scorer, cfg, device, dist = (run.model, run.tok, run.scorer, run.cfg,
                                              run.device, run.dist)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    claim(run, output, source or {}, replace_stale)
     prompts = list(dict.fromkeys(ex.prompt for ex in examples))  # distinct, in split order
     first = {}
     for ex in examples:

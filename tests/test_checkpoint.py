@@ -242,3 +242,50 @@ def test_a_step_saved_again_in_the_other_form_replaces_it(tmp_path):
     (tmp_path / "step_0000004.dcp").mkdir()
     prune(tmp_path, 1, tmp_path / "step_0000004.dcp")  # as checkpoint.save does after shards
     assert list_checkpoints(tmp_path) == [tmp_path / "step_0000004.dcp"]
+
+
+def test_retention_counts_only_checkpoints_that_load(tmp_path):
+    # a good step 4 and a junk step 9: resuming skips 9 and goes on from 4; keeping one
+    # checkpoint must keep this run's newest good one, not the junk (which it overwrites
+    # when it gets to step 9), and never the junk alone
+    save_checkpoint(state(4), tmp_path, 4)
+    (tmp_path / "step_0000009.pt").write_bytes(b"junk")
+    for step in (5, 6):
+        save_checkpoint(state(step), tmp_path, step, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000006.pt", "step_0000009.pt"]
+    assert (tmp_path / "step_0000009.pt").read_bytes() == b"junk"
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        assert latest_checkpoint(tmp_path)[1]["step"] == 6
+    # an unloadable one among older steps is not counted either: two good ones stay
+    (tmp_path / "step_0000007.pt").write_bytes(b"junk")
+    save_checkpoint(state(8), tmp_path, 8, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000006.pt", "step_0000007.pt", "step_0000008.pt", "step_0000009.pt"]
+
+
+def sharded(directory, step):
+    """A sharded checkpoint as _save_sharded leaves it, written by one process."""
+    import torch.distributed.checkpoint as dcp
+
+    path = directory / f"step_{step:07d}.dcp"
+    dcp.save({"model": {"w": torch.full((64, 64), float(step))}}, checkpoint_id=str(path))
+    torch.save({"kind": "grpo", "step": step}, path / "meta.pt")
+    return path
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_a_sharded_checkpoint_missing_a_shard_is_skipped_not_a_traceback(tmp_path, damage):
+    save_checkpoint(state(2), tmp_path, 2)
+    path = sharded(tmp_path, 3)
+    assert load_checkpoint(path)["step"] == 3
+    shard = next(path.glob("*.distcp"))
+    if damage == "delete":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{shard.name} is (missing|cut short)") as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value)
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        found, st = latest_checkpoint(tmp_path)
+    assert found.name == "step_0000002.pt" and st["step"] == 2

@@ -51,3 +51,54 @@ def wandb_records(path) -> bytes:
         out.append(data[pos + 7:pos + 7 + n])
         pos += 7 + n
     return b"".join(out)
+
+
+def test_a_full_disk_is_one_line_and_leaves_whole_lines(tmp_path, monkeypatch):
+    """metrics.jsonl takes whole lines or none: a write that fails half-way (ENOSPC) is cut
+    back and is an OutputWriteError of one line; a partial line a kill left is cut at open."""
+    import errno
+    import json
+
+    from mini_grpo.logger import RunLogger
+    from mini_grpo.outputs import OutputWriteError
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "rew')  # killed mid-line
+    log = RunLogger(tmp_path, 10, report_to=())
+    log.scalars(3, {"reward": 0.5})
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):  # the first half lands, then the disk is full
+            if len(data) > 4:
+                return self.f.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.f.close()
+
+    log.jsonl = Full(log.jsonl)
+    with pytest.raises(OutputWriteError, match="metrics.jsonl: disk full"):
+        log.scalars(4, {"reward": 0.25})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3]
+
+
+def test_tensorboard_write_errors_are_one_line(tmp_path, monkeypatch):
+    import errno
+
+    pytest.importorskip("tensorboard")
+    from mini_grpo.logger import RunLogger
+    from mini_grpo.outputs import OutputWriteError
+
+    log = RunLogger(tmp_path, 10, report_to=("tensorboard",))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log.tb, "add_scalar", full)
+    with pytest.raises(OutputWriteError, match="tb: disk full"):
+        log.scalars(1, {"reward": 0.5})
+    log.close()

@@ -179,3 +179,48 @@ def test_rft_grpo_mode_evaluates_before_after_rft_and_after_grpo_and_resumes(tmp
     out = capsys.readouterr().out
     assert "resuming GRPO from step 2" in out and "[eval] step 0" not in out
     assert again["before"] == result["before"] and again["rft"] == result["rft"]
+
+
+def test_an_output_not_written_here_is_refused_untouched(sft_checkpoint, tmp_path):
+    """A user's file at --output (notes, a data file with no trailing newline, chat rows,
+    not JSON at all), or rows of other settings, is refused before anything is read, cut or
+    written; an earlier output of the same settings is resumed."""
+    from mini_grpo.config import ConfigError
+
+    users = {"notes.txt": "my notes, not rows\n",
+             "data.jsonl": '{"prompt": "a:", "target": "b"}\n{"prompt": "c:", "target": "d"}',
+             "chat.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n',
+             "bin.jsonl": "\x00\x01 not json"}
+    run, examples, _ = rft_run(sft_checkpoint, rft_min_reward="0.0")
+    with run:
+        for name, text in users.items():
+            (tmp_path / name).write_text(text)
+            with pytest.raises(ConfigError, match=f"{name} exists and was not written by "
+                                                  f"rft-generate"):
+                generate_rft_data(run, examples, tmp_path / name)
+            assert (tmp_path / name).read_text() == text
+        out = tmp_path / "rft.jsonl"
+        generate_rft_data(run, examples, out, source={"split": "train"})
+        first = [json.loads(line) for line in out.open()]
+        again = generate_rft_data(run, examples, out, source={"split": "train"})
+        rows = out.read_text()  # resumed: only prompts with no row yet are sampled again
+        assert again["prompts_generated_now"] == 12 - len({r["prompt"] for r in first})
+        assert all(r in [json.loads(line) for line in rows.splitlines()] for r in first)
+        with pytest.raises(ConfigError, match="generated with other split"):
+            generate_rft_data(run, examples, out, source={"split": "eval"})
+        assert out.read_text() == rows
+    run, examples, _ = rft_run(sft_checkpoint, rft_min_reward="0.0", rft_oversample="2")
+    with run:
+        with pytest.raises(ConfigError, match="generated with other rft_oversample"):
+            generate_rft_data(run, examples, out, source={"split": "train"})
+        assert out.read_text() == rows
+        # in a run's own directory (the job's rft/ stage) stale rows are regenerated instead
+        summary = generate_rft_data(run, examples, out, source={"split": "train"},
+                                    replace_stale=True)
+    assert summary["prompts_generated_now"] == 12 and summary["oversample"] == 2
+    r = subprocess.run([sys.executable, "-m", "mini_grpo", "rft-generate", "--checkpoint",
+                        str(sft_checkpoint), "--output", str(tmp_path / "notes.txt")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "notes.txt exists" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "notes.txt").read_text() == users["notes.txt"]

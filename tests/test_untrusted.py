@@ -382,3 +382,23 @@ def test_a_checkpoint_holding_more_than_plain_values_is_one_line(tmp_path):
     path.write_bytes(pickle.dumps(print, protocol=2))  # a global weights_only refuses
     message = refused(lambda: load_checkpoint(path), f"{path}: cannot load checkpoint")
     assert "weights_only` set to `False`" not in message
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--n", "0"], "--n: must be >= 1, got 0"),
+    (["--n", "-3"], "--n: must be >= 1, got -3"),
+    (["--n", "100000000"], "--n: 100,000,000 completions of 1 prompt(s) are more than "
+                           "10,000,000 rows"),
+    (["--temperature", "nan"], "--temperature: must be a finite number > 0"),
+    (["--temperature", "0"], "--temperature: must be a finite number > 0"),
+    (["--temperature", "inf"], "--temperature: must be a finite number > 0"),
+    (["--temperature", "-1"], "--temperature: must be a finite number > 0"),
+    (["--max_new_tokens", "0"], "--max_new_tokens: must be >= 1"),
+])
+def test_sample_refuses_bad_arguments_before_loading_anything(tmp_path, capsys, args, needle):
+    from mini_grpo.cli import sample_main
+
+    missing = tmp_path / "never-read.pt"  # the arguments fail first
+    assert sample_main(["--checkpoint", str(missing), "--prompt", "e2e4:", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err

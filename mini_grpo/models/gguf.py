@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, check_shapes
+from ..outputs import OutputWriteError, write_reason
 from . import CausalLM, build, check_size
 from .gguf_vocab import gguf_tokenizer, gguf_vocab
 
@@ -430,6 +431,8 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         w.write_tensors_to_file()
         w.close()
         tmp.replace(path)
+    except OSError as e:  # disk full: no half-written file, the old one untouched
+        raise OutputWriteError(f"cannot write {path}: {write_reason(e)}") from e
     finally:
         tmp.unlink(missing_ok=True)
     return path

@@ -23,9 +23,7 @@ The Llama family: our names are theirs without the "model." prefix.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import torch
 
 from ..checkpoint import CheckpointError, check_shapes
 from ..jsonio import read_json_object
+from ..outputs import replace_dir
 from . import CausalLM, GPTConfig, LlamaConfig, build, check_size
 
 # model_type -> our family
@@ -40,8 +39,8 @@ HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
             "mistral": "llama"}
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few kB; refuse to parse anything huge
 SHARD_BYTES = 5 * 10**9  # save_hf: shards above this size, as save_pretrained does
-MARKER = ".mini-grpo-export"  # save_hf's mark: a directory it may replace next time
-# every name save_hf writes: a marked directory holding anything else is not replaced
+# every name save_hf writes: a marked directory (outputs.MARKER) holding anything else is not
+# replaced
 WRITTEN = re.compile(r"\.mini-grpo-export|(generation_)?config\.json|model\.safetensors"
                      r"(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors|tokenizer\.json"
                      r"|tokenizer_config\.json")
@@ -75,10 +74,19 @@ def _int(config: dict, key: str, default=None, lo: int = 1) -> int:
     return v
 
 
-def _float(config: dict, key: str, default, lo: float = 0.0, hi: float = float("inf")):
+MAX_FLOAT = 1e15  # above any rope_theta or factor a model has (Llama 3: 5e5); ints of any
+# size go through float() otherwise: 10**400 is an OverflowError there
+
+
+def _float(config: dict, key: str, default, lo: float = 0.0, hi: float = MAX_FLOAT):
     v = config.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
-        raise CheckpointError(f"config.json: {key} must be a number in ({lo}, {hi}), got {v!r}")
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and (
+        isinstance(v, float) or -10**18 < v < 10**18) and lo < v < hi
+    if not ok:
+        shown = "an integer of more than 40 digits" if isinstance(v, int) and \
+            abs(v) >= 10**40 else repr(v)[:60]
+        raise CheckpointError(f"config.json: {key} must be a number in ({lo}, {hi:g}), got "
+                              f"{shown}")
     return float(v)
 
 
@@ -349,8 +357,9 @@ def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
     """`model` as a Hugging Face directory that transformers' AutoModelForCausalLM loads:
     config.json, model.safetensors (or shards with an index above `shard_bytes`),
     generation_config.json and, given a tokenizer, its files. `state`: the weights to write
-    instead of model.state_dict() (a sharded model's full ones). Written to a temporary
-    directory and renamed, so a kill never leaves half of one."""
+    instead of model.state_dict() (a sharded model's full ones). Only into a new or empty
+    directory or one save_hf wrote (ConfigError otherwise); written to a temporary directory
+    and renamed, so a kill never leaves half of one (outputs.replace_dir)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -367,29 +376,26 @@ def save_hf(model: CausalLM, path: str | Path, dtype: torch.dtype | None = None,
             size = 0
         shards[-1].append(name)
         size += n
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if len(shards) == 1:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, names in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({k: state[k] for k in names}, str(tmp / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, file))
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    gen = {}
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-        gen = {"bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id,
-               "eos_token_id": (tokenizer.eos_ids if len(tokenizer.eos_ids) > 1
-                                else tokenizer.eos_id)}
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    (tmp / MARKER).write_text("a model directory written by mini-grpo\n")
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return path
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if len(shards) == 1:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file({k: state[k] for k in names}, str(tmp / file),
+                          metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, file))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        gen = {}
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+            gen = {"bos_token_id": tokenizer.bos_id, "pad_token_id": tokenizer.pad_id,
+                   "eos_token_id": (tokenizer.eos_ids if len(tokenizer.eos_ids) > 1
+                                    else tokenizer.eos_id)}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+    return replace_dir(path, WRITTEN, fill)

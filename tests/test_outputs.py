@@ -1,0 +1,99 @@
+"""Directories written whole (outputs.py: export, import-gguf, a run's hf/ and adapter/) never
+replace a user's files, and a failed write leaves nothing half-written: the cases an
+adversarial pass found destroying run directories, each refused with one line naming it."""
+
+import errno
+import os
+import re
+
+import pytest
+from conftest import ROOT, tiny_lm_dir
+from test_gguf import cli
+
+from mini_grpo.fields import ConfigError
+from mini_grpo.outputs import MARKER, OutputWriteError, replace_dir
+
+OWNED = re.compile(r"\.mini-grpo-export|model\.bin")
+
+
+def write_model(tmp):
+    (tmp / "model.bin").write_text("new")
+
+
+def run_dir(path):
+    """What a training run leaves: the files export must never take."""
+    (path / "checkpoints").mkdir(parents=True)
+    (path / "checkpoints" / "step_0000004.pt").write_text("weights")
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (path / "config.yaml").write_text("lr: 1\n")
+    return sorted(p.name for p in path.rglob("*"))
+
+
+def test_new_empty_and_earlier_directories_are_written(tmp_path):
+    out = replace_dir(tmp_path / "a" / "b" / "new", OWNED, write_model)  # parents made
+    assert (out / "model.bin").read_text() == "new" and (out / MARKER).is_file()
+    (out / "model.bin").write_text("old")
+    replace_dir(out, OWNED, write_model)  # an earlier one of ours: replaced
+    assert (out / "model.bin").read_text() == "new"
+    (tmp_path / "empty").mkdir()
+    assert (replace_dir(tmp_path / "empty", OWNED, write_model) / "model.bin").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "empty"]  # no temporaries
+
+
+def test_a_users_files_are_never_replaced(tmp_path, monkeypatch):
+    mine = tmp_path / "run"
+    before = run_dir(mine)
+    for output in (mine, f"{mine}/checkpoints/..", tmp_path / "run" / "metrics.jsonl"):
+        with pytest.raises(ConfigError, match="not overwritten"):
+            replace_dir(output, OWNED, write_model)
+    assert sorted(p.name for p in mine.rglob("*")) == before
+    ours = replace_dir(tmp_path / "ours", OWNED, write_model)
+    (ours / "notes.txt").write_text("mine now")  # a marked directory holding a user's file
+    with pytest.raises(ConfigError, match="notes.txt"):
+        replace_dir(ours, OWNED, write_model)
+    assert (ours / "notes.txt").read_text() == "mine now"
+    monkeypatch.chdir(ours.parent)
+    with pytest.raises(ConfigError, match="current directory"):
+        replace_dir(".", OWNED, write_model)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        replace_dir(tmp_path / "file" / "out", OWNED, write_model)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("Error while serializing: IoError(Os { code: 28, "
+                                                "kind: StorageFull, message: \"No space left on "
+                                                "device\" })")])
+def test_a_failed_write_leaves_the_old_directory_and_no_temporary(tmp_path, error):
+    out = replace_dir(tmp_path / "out", OWNED, write_model)
+
+    def full(tmp):
+        (tmp / "model.bin").write_text("half")
+        raise error
+
+    with pytest.raises(OutputWriteError, match=r"cannot write .*out: disk full"):
+        replace_dir(out, OWNED, full)
+    assert (out / "model.bin").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    with pytest.raises(ZeroDivisionError):  # a bug is not a write error: it propagates
+        replace_dir(out, OWNED, lambda tmp: 1 / 0)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_export_refuses_a_run_directory_and_writes_a_new_one(tmp_path):
+    lm = tiny_lm_dir(tmp_path / "lm", "llama")
+    run = tmp_path / "runs" / "x"
+    before = run_dir(run)
+    for extra in ([], ["--adapter"]):
+        r = cli("export", "--checkpoint", lm, "--output", run, *extra)
+        assert r.returncode == 2 and "not overwritten" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and sorted(p.name for p in run.rglob("*")) == before
+    r = cli("export", "--checkpoint", lm, "--output", f"{run}/checkpoints/..")
+    assert r.returncode == 2 and "checkpoints" in r.stderr and "Traceback" not in r.stderr
+    r = cli("export", "--checkpoint", lm, "--output", ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    out = tmp_path / "exports" / "x"  # a missing parent is made
+    r = cli("export", "--checkpoint", lm, "--output", out)
+    assert r.returncode == 0 and (out / "model.safetensors").is_file(), r.stderr
+    assert cli("export", "--checkpoint", lm, "--output", out).returncode == 0  # ours: replaced
+    assert sorted(p.name for p in run.rglob("*")) == before
