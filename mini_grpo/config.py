@@ -229,6 +229,18 @@ class GRPOConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.num_eval > MAX_GENERATED:
             raise ConfigError(f"num_eval: must be <= {MAX_GENERATED:,}, got {self.num_eval}")
+        # rows generated and trained on per step: bounded as num_eval is (run.check_step_memory
+        # then weighs them against this machine's memory, once the model is known)
+        for name in ("group_size", "prompts_per_step", "micro_batch_size", "sft_batch_size",
+                     "rft_oversample", "rft_prompts_per_batch"):
+            if getattr(self, name) > MAX_GENERATED:
+                raise ConfigError(f"{name}: must be <= {MAX_GENERATED:,}, got "
+                                  f"{getattr(self, name):,}")
+        rows = self.prompts_per_step * self.group_size
+        if rows > MAX_GENERATED:
+            raise ConfigError(f"prompts_per_step: {self.prompts_per_step:,} prompts x group_size "
+                              f"{self.group_size:,} = {rows:,} rows per step, more than "
+                              f"{MAX_GENERATED:,}")
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")
@@ -244,6 +256,15 @@ class GRPOConfig:
         if not self.vllm_server_url.startswith(("http://", "https://")):
             raise ConfigError(f"vllm_server_url: must be an http:// or https:// URL, got "
                               f"{self.vllm_server_url!r}")
+        try:
+            from urllib.parse import urlsplit
+            url = urlsplit(self.vllm_server_url)
+            if not url.hostname:
+                raise ValueError("no host")
+            url.port  # noqa: B018 (a port out of range raises here)
+        except ValueError as e:
+            raise ConfigError(f"vllm_server_url: {self.vllm_server_url!r} is not a valid URL "
+                              f"({e})") from None
         if self.rollout_engine == "vllm" and not self.init_from:
             raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
                               "to a model directory (a run from scratch trains our "

@@ -39,7 +39,7 @@ from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .logger import RunLogger
 from .lora import adapter_keys, apply_lora, is_lora, load_adapter, store_base_in
-from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
+from .models import CausalLM, GPTConfig, build, check_batch_memory, check_size, model_config, spec
 from .models.gguf import load_gguf
 from .models.hf import load_hf_model
 from .precision import (
@@ -167,6 +167,9 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
             model.to(device)  # device never holds the whole model
         longest = check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval]) \
             if data is not None else 0
+        if train and data is not None:
+            check_step_memory(cfg, model.cfg, dist.world_size,
+                              min(longest + cfg.max_new_tokens, model.cfg.block_size))
         precision = resolve_precision(cfg, device, lambda parts: probe_dtypes(model, cfg, parts),
                                       train)
         model.attn_impl = attention_impl(cfg.attn_impl, device, precision.dtype)
@@ -320,6 +323,21 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
         load_weights(adapters, model)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model, tok
+
+
+def check_step_memory(cfg: GRPOConfig, model_cfg, world_size: int, tokens: int) -> None:
+    """The rows a rank samples together (a GRPO step's, an RFT batch's) against this machine's
+    memory, before any work: ConfigError naming the fields that set them."""
+    per_rank = -(-cfg.prompts_per_step // world_size) * cfg.group_size
+    batches = [(per_rank, "prompts_per_step/group_size")]
+    if cfg.mode in ("rft", "rft_grpo"):
+        batches.append((cfg.rft_prompts_per_batch * cfg.rft_oversample,
+                        "rft_prompts_per_batch/rft_oversample"))
+    for rows, what in batches:
+        try:
+            check_batch_memory(model_cfg, rows, tokens, what)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def weights_from_rank0(cfg: GRPOConfig, checkpoint: dict | None) -> bool:

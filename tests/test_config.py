@@ -83,6 +83,13 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--vllm_tensor_parallel_size=0"], {}, ["vllm_tensor_parallel_size: must be > 0"]),
     ("", ["--vllm_server_url=localhost:8000"], {}, ["vllm_server_url: must be an http:// or "
                                                     "https:// URL", "localhost:8000"]),
+    ("", ["--vllm_server_url=http://[::1"], {}, ["vllm_server_url: 'http://[::1' is not a "
+                                                 "valid URL"]),
+    ("", ["--vllm_server_url=http://h:99999"], {}, ["vllm_server_url", "not a valid URL"]),
+    ("", ["--group_size=1000000000"], {}, ["group_size: must be <= 10,000,000"]),
+    ("", ["--prompts_per_step=2000000"], {}, ["prompts_per_step: 2,000,000 prompts x "
+                                              "group_size 8 = 16,000,000 rows per step"]),
+    ("", ["--micro_batch_size=1000000000"], {}, ["micro_batch_size: must be <= 10,000,000"]),
     ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true", "--init_from=x"], {},
      ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])

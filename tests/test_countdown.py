@@ -157,6 +157,23 @@ def test_answer_table(completion, correct, fmt):
     assert score(countdown_format, completion, NUMBERS, TARGET) == fmt
 
 
+def test_answer_blocks_match_the_regex_and_unclosed_tags_are_linear():
+    import random
+    import re
+
+    from mini_grpo.rewards.countdown import answer_blocks
+
+    rng = random.Random(0)
+    pieces = ["<answer>", "</answer>", "<ans", "1+2", "\n", "answer>", "</answer"]
+    for _ in range(500):  # the same blocks as <answer>(.*?)</answer> finds
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+        assert answer_blocks(text) == re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    flood = "<answer>" * 100_000  # ~800 KB: quadratic in the regex, one pass here
+    assert answer_blocks(flood + "</answer>") == ["<answer>" * 99_999]
+    assert answer_blocks(flood) == []
+    assert score(countdown_correct, flood, NUMBERS, TARGET) == 0.0
+
+
 def test_answer_tag_comes_from_meta_and_numbers_may_go_unused():
     assert score(countdown_correct, "<final>50+25</final>", NUMBERS, 75, tag="final") == 1.0
     assert score(countdown_format, "<final>50+25</final>", NUMBERS, 75, tag="final") == 1.0

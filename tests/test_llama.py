@@ -332,6 +332,9 @@ def test_bad_configs_are_named(saved, tmp_path):
            ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
             r"config.json: low_freq_factor must be a number"),
            ({"hidden_act": "gelu"}, r"config.json: hidden_act 'gelu' is not supported"),
+           ({"rope_theta": 10**65, "rope_parameters": None},  # float() of it: OverflowError
+            r"config.json: rope_theta must be a number in \(0.0, 1e\+15\), got an integer"),
+           ({"rope_theta": 10**400, "rope_parameters": None}, r"rope_theta must be a number"),
            ({"num_key_value_heads": 3}, r"num_attention_heads 4 is not a multiple of "
                                         r"num_key_value_heads 3"),
            ({"num_hidden_layers": 10**9}, r"says num_hidden_layers 1000000000, its weights "

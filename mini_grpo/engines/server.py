@@ -270,8 +270,19 @@ def parse_args(argv: list[str]):
 
 def serve(argv: list[str]) -> int:
     args = parse_args(argv)
-    server = Server(args)
-    http = HTTPServer((args.host, args.port), handler(server, threading.Lock()))
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
+    try:  # listen first: a port in use or a bad host fails before the engine's minutes
+        http = HTTPServer((args.host, args.port), BaseHTTPRequestHandler)
+    except (OSError, OverflowError, UnicodeError) as e:
+        raise ConfigError(f"--host/--port {args.host}:{args.port}: cannot listen there "
+                          f"({getattr(e, 'strerror', None) or e})") from None
+    try:
+        server = Server(args)
+    except BaseException:
+        http.server_close()
+        raise
+    http.RequestHandlerClass = handler(server, threading.Lock())
     print(f"[mini-grpo] vllm-serve: {args.model} ({server.dtype}, {server.device.type}) on "
           f"http://{args.host}:{http.server_port}", flush=True)
     try:

@@ -29,7 +29,7 @@ FAMILIES: dict[str, tuple[type[CausalLM], type]] = {
 }
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "CausalLM", "KVCache", "Llama", "LlamaConfig",
-           "attention_mask", "build", "check_size", "positions", "spec"]
+           "attention_mask", "build", "check_batch_memory", "check_size", "positions", "spec"]
 
 
 def spec(model: CausalLM) -> dict:
@@ -134,6 +134,19 @@ def memory_bytes() -> int | None:
 
 def _gib(n: float) -> str:
     return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
+
+
+def check_batch_memory(model_cfg, rows: int, tokens: int, what: str) -> None:
+    """ValueError naming `what` when the key/value cache of `rows` sequences of `tokens`
+    positions (sampling them together, at 4 bytes a value) would exceed this machine's memory:
+    a batch size of absurd size fails at once, not minutes later in a MemoryError."""
+    kv_dim = getattr(model_cfg, "n_kv_head", model_cfg.n_head) * getattr(
+        model_cfg, "head_dim", model_cfg.n_embd // model_cfg.n_head)
+    need, have = rows * tokens * model_cfg.n_layer * 2 * kv_dim * 4, memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"{what}: sampling {rows:,} rows of {tokens} positions together "
+                         f"would hold {_gib(need)} of key/value cache, more than this "
+                         f"machine's memory ({_gib(have)})")
 
 
 def check_size(spec: dict, what: str, bytes_per_param: int = 4) -> None:

@@ -23,7 +23,6 @@ countdown_correct
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 from fractions import Fraction
@@ -41,14 +40,19 @@ class _Reject(Exception):
     """The expression is outside the grammar or the caps."""
 
 
-@functools.lru_cache(maxsize=64)
-def _block_re(tag: str) -> re.Pattern:
-    return re.compile(f"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", re.DOTALL)
-
-
 def answer_blocks(completion: str, tag: str = DEFAULT_TAG) -> list[str]:
-    """The contents of the completion's `<tag>...</tag>` blocks, in order."""
-    return _block_re(tag).findall(completion)
+    """The contents of the completion's `<tag>...</tag>` blocks, in order: each opening tag
+    with the nearest closing one after it (as `<tag>(.*?)</tag>` finds them), in linear time
+    (that regex rescans the rest of the text from every unclosed opening tag)."""
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    out, i = [], 0
+    while (start := completion.find(opening, i)) >= 0:
+        end = completion.find(closing, start + len(opening))
+        if end < 0:  # no closing tag after this one: none after a later one either
+            break
+        out.append(completion[start + len(opening):end])
+        i = end + len(closing)
+    return out
 
 
 def _tokens(expr: str) -> list[str]:
