@@ -41,6 +41,15 @@ DEFAULT_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"
 # every name save_adapter writes: a marked directory holding anything else is not replaced
 ADAPTER_FILES = re.compile(r"\.mini-grpo-export|adapter_config\.json|adapter_model\.safetensors")
 MAX_CONFIG_BYTES = 1 << 16
+# adapter_config.json options that change what the adapter computes, with the values under
+# which it is plain LoRA (the only ones accepted); peft's init-time options do not matter here
+PLAIN_LORA = {"use_rslora": (False,), "use_dora": (False,), "alpha_pattern": ({}, None),
+              "rank_pattern": ({}, None), "layers_to_transform": (None,),
+              "layers_pattern": (None, "", []), "modules_to_save": (None, []),
+              "bias": ("none",), "lora_bias": (False,), "target_parameters": (None, []),
+              "exclude_modules": (None, "", []), "layer_replication": (None,),
+              "trainable_token_indices": (None,), "use_qalora": (False,),
+              "alora_invocation_tokens": (None,)}
 
 
 class LoRALinear(nn.Linear):
@@ -254,6 +263,12 @@ def read_adapter_config(directory: str | Path) -> dict:
         raise ValueError(f"{path}: target_modules must be a list of module names")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, plain in PLAIN_LORA.items():  # an option that changes the weights: refused
+        if key in config and not any(config[key] == v and type(config[key]) is type(v)
+                                     for v in plain):
+            raise ValueError(f"{path}: {key} {str(config[key])[:60]} is not supported (mini-grpo "
+                             f"applies plain LoRA: W + lora_alpha / r * B A on every target "
+                             f"module); export the adapter without it")
     return config
 
 
@@ -266,6 +281,10 @@ def load_adapter(model, directory: str | Path, r: int = 0, weights: bool = True)
     from safetensors import safe_open
 
     config = read_adapter_config(directory)
+    if config.get("fan_in_fan_out", model.family == "gpt") != (model.family == "gpt"):
+        raise ValueError(f"{directory}: fan_in_fan_out {config['fan_in_fan_out']} does not fit "
+                         f"a {model.family} model (its layers store weights "
+                         f"{'in x out' if model.family == 'gpt' else 'out x in'})")
     if r and r != config["r"]:
         raise ValueError(f"lora_r: {r}, but the adapter {directory} has r {config['r']}")
     if not lora_modules(model):

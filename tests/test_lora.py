@@ -381,3 +381,27 @@ def test_lora_under_fsdp_saves_adapter_shards_that_resume_in_one_process(lm_dirs
     final = load_file(str(out / "adapter" / "adapter_model.safetensors"))  # after step 3
     assert step2.keys() == final.keys()
     assert any(not torch.equal(step2[k], final[k]) for k in final)  # step 3 trained on
+
+
+@pytest.mark.parametrize("key, value", [
+    ("use_rslora", True), ("use_dora", True), ("alpha_pattern", {"q_proj": 64}),
+    ("rank_pattern", {"q_proj": 8}), ("layers_to_transform", [0]),
+    ("modules_to_save", ["lm_head"]), ("bias", "all"), ("lora_bias", True),
+    ("layer_replication", [[0, 1]]), ("target_parameters", ["mlp.experts.gate_up_proj"]),
+    ("fan_in_fan_out", True)])
+def test_adapter_options_we_do_not_implement_are_refused_naming_the_key(tmp_path, key, value):
+    """peft computes something else under each (rsLoRA's alpha / sqrt(r), DoRA's magnitude,
+    per-module ranks and alphas, bias terms ...): loading it as plain LoRA would give other
+    logits without a word. Values that leave plain LoRA (peft writes them all) load."""
+    m = tiny_llama()
+    apply_lora(m, r=4, alpha=8)
+    save_adapter(m, tmp_path / "a")
+    path = tmp_path / "a" / "adapter_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "use_rslora": False, "alpha_pattern": {},
+                                "modules_to_save": None, "bias": "none"}))
+    load_adapter(tiny_llama(), tmp_path / "a")
+    path.write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=f"adapter_config.json: {key} .* is not supported"
+                       if key != "fan_in_fan_out" else "fan_in_fan_out True does not fit"):
+        load_adapter(tiny_llama(), tmp_path / "a")

@@ -16,9 +16,11 @@ unreachable server is a ConfigError then, and one that fails or dies mid-run an 
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,6 +30,7 @@ import torch
 from .. import distributed as D
 from .. import fsdp
 from ..fields import ConfigError
+from ..jsonio import check_tree
 from ..lora import merged
 from ..models.hf import hf_tensors
 from ..rollout import Rollout
@@ -38,6 +41,8 @@ from .vllm import check_servable, engine_config, row_seeds, sampling_options, to
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
               "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
               "intermediate_size", "n_inner", "head_dim")
+MAX_REPLY_BYTES = 1 << 28  # a rollout of thousands of rows is a few MB of JSON
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ServerEngine:
@@ -54,22 +59,61 @@ class ServerEngine:
         except EngineError as e:
             raise ConfigError(f"vllm_server_url: {e} (start one with `mini-grpo vllm-serve "
                               f"--model DIR`)") from None
+        bad = lambda why: ConfigError(f"vllm_server_url: the server at {self.url} answered "
+                                      f"/health with {why}: not a mini-grpo vllm-serve")
+        if not isinstance(info.get("config"), dict):
+            raise bad("no model config")
+        if info.get("dtype") not in DTYPES:
+            raise bad(f"dtype {repr(info.get('dtype'))[:40]}, not one of {', '.join(DTYPES)}")
+        if info.get("device") not in ("cpu", "cuda"):
+            raise bad(f"device {repr(info.get('device'))[:40]}")
         ours = engine_config(run.model, torch.float32)
         for key in SHAPE_KEYS:
             if ours.get(key) != info["config"].get(key):
                 raise ConfigError(f"vllm_server_url: the server at {self.url} serves another "
-                                  f"model ({key} {info['config'].get(key)!r}, the policy's "
-                                  f"{ours.get(key)!r})")
+                                  f"model ({key} {str(info['config'].get(key))[:40]!r}, the "
+                                  f"policy's {ours.get(key)!r})")
         self.dtype = getattr(torch, info["dtype"])
         self.nccl = info["device"] == "cuda" and run.device.type == "cuda"
+        self.vocab = run.model.cfg.vocab_size
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        """The server's JSON object for one request, within `vllm_server_timeout` for the
+        whole of it (a server that trickles its reply byte by byte included); a reply that
+        is no JSON object, too large or too deep is an EngineError naming the URL."""
+        result: dict = {}
+
+        def request():
+            try:
+                result["out"] = self._request(method, path, body)
+            except BaseException as e:  # handed to the caller's thread
+                result["error"] = e
+        thread = threading.Thread(target=request, daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():  # the thread gives up at its deadline, or with the socket
+            raise EngineError(f"no answer from the vLLM server at {self.url} ({path}) within "
+                              f"vllm_server_timeout ({self.timeout:g} s)")
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+
+    def _request(self, method: str, path: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + self.timeout
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
+                raw, size = [], 0
+                while chunk := resp.read1(1 << 16):
+                    size += len(chunk)
+                    if size > MAX_REPLY_BYTES or time.monotonic() > deadline:
+                        raise EngineError(f"the vLLM server at {self.url} sent a reply to "
+                                          f"{path} " + ("over 256 MiB" if size > MAX_REPLY_BYTES
+                                                        else "too slowly"))
+                    raw.append(chunk)
+            return self._parse(b"".join(raw), path)
         except urllib.error.HTTPError as e:
             try:
                 reason = json.loads(e.read()).get("error", e.reason)
@@ -82,12 +126,27 @@ class ServerEngine:
             raise EngineError(f"no answer from the vLLM server at {self.url} ({path}): "
                               f"{reason}") from None
 
+    def _parse(self, raw: bytes, path: str) -> dict:
+        try:
+            out = json.loads(raw)
+            check_tree(out, path, max_depth=16)
+        except (ValueError, RecursionError, ConfigError) as e:
+            why = "is nested too deeply" if isinstance(e, (RecursionError, ConfigError)) \
+                else "is not JSON"
+            raise EngineError(f"the vLLM server at {self.url} sent a reply to {path} that "
+                              f"{why}") from None
+        if not isinstance(out, dict):
+            raise EngineError(f"the vLLM server at {self.url} sent a reply to {path} that is "
+                              f"not a JSON object")
+        return out
+
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
         enc = [self.tok.encode_prompt(p) for p in prompts]
         out = self._call("POST", "/generate", {
             "prompts": enc, "options": sampling_options(sampling, self.tok.eos_ids),
             "seeds": row_seeds(len(enc), generator)})
         try:
+            check_rollout(out, len(enc), self.vocab, sampling.max_new_tokens)
             return to_rollout(self.tok, enc, out["token_ids"], out["logprobs"], self.device)
         except (KeyError, TypeError, ValueError) as e:
             raise EngineError(f"the vLLM server at {self.url} sent a bad rollout: {e}") \
@@ -145,6 +204,26 @@ class ServerEngine:
                 pass  # the run is ending; a server that is gone has nothing to close
             self.group.close()
             self.group = None
+
+
+def check_rollout(out: dict, rows: int, vocab: int, max_new_tokens: int) -> None:
+    """A server's /generate reply, as untrusted as a file: one row per prompt, each of 1 to
+    max_new_tokens token ids in the vocabulary (ints, not bools or floats) and as many
+    finite log-probs <= 0; ValueError naming the field and row otherwise."""
+    toks, lps = out.get("token_ids"), out.get("logprobs")
+    for name, v in (("token_ids", toks), ("logprobs", lps)):
+        if not isinstance(v, list) or len(v) != rows:
+            got = f"{len(v)} rows" if isinstance(v, list) else type(v).__name__
+            raise ValueError(f"{name}: {rows} rows asked, got {got}")
+    for i, (t, lp) in enumerate(zip(toks, lps)):
+        if not (isinstance(t, list) and isinstance(lp, list)) or not 0 < len(t) <= \
+                max_new_tokens or len(lp) != len(t):
+            raise ValueError(f"row {i}: token_ids and logprobs must be lists of 1 to "
+                             f"{max_new_tokens} items, one log-prob per token")
+        if not all(type(x) is int and 0 <= x < vocab for x in t):
+            raise ValueError(f"row {i}: token_ids must be integers in 0..{vocab - 1}")
+        if not all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-3 for x in lp):
+            raise ValueError(f"row {i}: logprobs must be finite numbers <= 0")
 
 
 def _gist(e: BaseException) -> str:

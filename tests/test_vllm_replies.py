@@ -1,0 +1,144 @@
+"""A vLLM server's replies are untrusted input (engines/client.py): a stand-in HTTP server on
+loopback answers /health and /generate wrongly, and each answer is one line naming the URL and
+what is wrong, never a traceback, a hang past `vllm_server_timeout`, or a rollout trained on.
+No vLLM needed: the client alone is under test."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny, tiny_lm_dir
+
+from mini_grpo.engines.base import EngineError, Sampling
+from mini_grpo.engines.client import ServerEngine
+from mini_grpo.engines.vllm import engine_config
+from mini_grpo.fields import ConfigError
+from mini_grpo.models.hf import load_hf_model
+from mini_grpo.tokenizer import HFTokenizer
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    lm = tiny_lm_dir(tmp_path_factory.mktemp("lm"), "qwen2")
+    return load_hf_model(lm), HFTokenizer.from_dir(lm)
+
+
+@pytest.fixture
+def server():
+    """(url, replies): set replies[path] to the bytes to answer, or to a function of the
+    handler that writes its own answer."""
+    replies: dict = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            reply = replies[self.path]
+            if callable(reply):
+                return reply(self)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        do_GET = do_POST = answer
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    http.daemon_threads = True
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{http.server_port}", replies
+    http.shutdown()
+    http.server_close()
+
+
+def engine(policy, url, timeout=30):
+    model, tok = policy
+    cfg = tiny(None, vllm_server_url=url, vllm_server_timeout=timeout)
+    run = SimpleNamespace(cfg=cfg, tok=tok, model=model, device=torch.device("cpu"),
+                          dist=SimpleNamespace(rank=0))
+    return ServerEngine(run)
+
+
+def health(policy, **change):
+    good = {"config": engine_config(policy[0], torch.float32), "dtype": "float32",
+            "device": "cpu"}
+    return json.dumps({**good, **change}).encode()
+
+
+@pytest.mark.parametrize("reply, needle", [
+    (b"[1, 2]", "not a JSON object"),
+    (b"{not json", "not JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ({"config": None}, "answered /health with no model config"),
+    ({"dtype": None}, "dtype None, not one of float32"),
+    ({"dtype": "__class__"}, "dtype '__class__', not one of"),
+    ({"device": ["cuda"]}, "device"),
+])
+def test_bad_health_replies_are_refused_at_start(policy, server, reply, needle):
+    url, replies = server
+    replies["/health"] = health(policy, **reply) if isinstance(reply, dict) else reply
+    with pytest.raises((ConfigError, EngineError)) as e:
+        engine(policy, url)
+    assert needle in str(e.value) and url in str(e.value) and "\n" not in str(e.value)
+
+
+PROMPTS = ["e2e4 e7e5", "d2d4"]
+
+
+@pytest.mark.parametrize("reply, needle", [
+    ({"token_ids": [[5]], "logprobs": [[-1.0]]}, "token_ids: 2 rows asked, got 1"),
+    ({"token_ids": [[], []], "logprobs": [[], []]}, "row 0: token_ids and logprobs must be"),
+    ({"token_ids": [[99999], [5]], "logprobs": [[-1.0], [-1.0]]}, "row 0: token_ids must be"),
+    ({"token_ids": [[5], [-5]], "logprobs": [[-1.0], [-1.0]]}, "row 1: token_ids must be"),
+    ({"token_ids": [[True], [5]], "logprobs": [[-1.0], [-1.0]]}, "row 0: token_ids must be"),
+    ({"token_ids": [[5.0], [5]], "logprobs": [[-1.0], [-1.0]]}, "row 0: token_ids must be"),
+    ({"token_ids": [[5], [5]], "logprobs": [[float("nan")], [-1.0]]}, "row 0: logprobs must"),
+    ({"token_ids": [[5], [5]], "logprobs": [[-1.0], [0.5]]}, "row 1: logprobs must be"),
+    ({"token_ids": [[5, 6], [5]], "logprobs": [[-1.0], [-1.0]]}, "one log-prob per token"),
+    ({"token_ids": [[5] * 9, [5]], "logprobs": [[-1.0] * 9, [-1.0]]}, "lists of 1 to 8"),
+    ({"token_ids": "x", "logprobs": []}, "token_ids: 2 rows asked, got str"),
+])
+def test_bad_rollouts_are_one_line_and_never_trained_on(policy, server, reply, needle):
+    url, replies = server
+    replies["/health"] = health(policy)
+    eng = engine(policy, url)
+    replies["/generate"] = json.dumps(reply).encode()
+    with pytest.raises(EngineError, match="sent a bad rollout") as e:
+        eng.generate(PROMPTS, Sampling(max_new_tokens=8))
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    replies["/generate"] = json.dumps({"token_ids": [[5, 6], [7]],
+                                       "logprobs": [[-0.5, -1.5], [-2.0]]}).encode()
+    r = eng.generate(PROMPTS, Sampling(max_new_tokens=8))  # a right one goes through
+    assert r.completion_ids[0, :2].tolist() == [5, 6] and r.completion_mask.sum() == 3
+
+
+def test_the_timeout_bounds_a_whole_reply_sent_byte_by_byte(policy, server):
+    """A server that trickles a good reply (one byte every 0.2 s) is cut off at
+    vllm_server_timeout (1 s): without the bound the call returns the reply after 8 s."""
+    url, replies = server
+    replies["/health"] = health(policy)
+    eng = engine(policy, url, timeout=1)
+    body = json.dumps({"token_ids": [[5], [5]], "logprobs": [[-1.0], [-1.0]]}).encode()
+
+    def trickle(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        for i in range(len(body)):
+            try:
+                handler.wfile.write(body[i:i + 1])
+                handler.wfile.flush()
+            except OSError:
+                return
+            time.sleep(8 / len(body))
+
+    replies["/generate"] = trickle
+    with pytest.raises(EngineError, match=r"within vllm_server_timeout \(1 s\)") as e:
+        eng.generate(PROMPTS, Sampling(max_new_tokens=8))
+    assert url in str(e.value)
