@@ -273,6 +273,31 @@ _STRUCTURAL = {"attr", "batch", "count", "d", "default", "dictsort", "first", "g
                "abs", "float", "int", "round", "safe"}
 
 
+# filters and tests that compare their input's items (or their arguments) with each other: a
+# value that shares its parts (a list doubled 60 times is 60 lists, but 2^60 items to compare)
+# is counted as what comparing it walks
+_COMPARING = {"dictsort", "groupby", "max", "min", "sort", "unique"}
+_COMPARING_TESTS = {"eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<=",
+                    "gt", "greaterthan", ">", "ge", ">=", "in"}
+
+
+def _compared(value: Any) -> Any:
+    """A value an `==`, `<`, `in` ... or a sort compares: at most MAX_CHARS to walk."""
+    _tick()
+    _check(_size(value), "a value compared (==, <, in, sort, max ...)")
+    return value
+
+
+def _bounded_test(f):
+    @wraps(f)
+    def bounded(*args, **kwargs):
+        for v in (*args, *kwargs.values()):
+            _compared(v)
+        return f(*args, **kwargs)
+
+    return bounded
+
+
 def _bounded_filter(name: str, f):
     @wraps(f)  # keeps jinja's pass_context / pass_environment marks
     def bounded(*args, **kwargs):
@@ -288,6 +313,8 @@ def _bounded_filter(name: str, f):
             indent = kwargs.get("indent", rest[1] if len(rest) > 1 else None)
             width = indent if isinstance(indent, int) else len(str(indent or ""))
             _check(_size(value, indent=width), "a JSON text")
+        elif name in _COMPARING:
+            _compared(value)
         elif name not in _STRUCTURAL:
             _check(_size(value), f"the text given to the {name} filter")
         if name == "replace" and len(rest) >= 2:
@@ -357,6 +384,15 @@ def _environment():
         def visit_TemplateData(self, node):
             return nodes.Const(node.data, lineno=node.lineno)
 
+        def visit_Compare(self, node):  # ==, <, in ...: each side walked at most MAX_CHARS
+            self.generic_visit(node)
+            wrap = lambda e: nodes.Filter(e, "_compared", [], [], None, None,
+                                          lineno=node.lineno)
+            node.expr = wrap(node.expr)
+            for operand in node.ops:
+                operand.expr = wrap(operand.expr)
+            return node
+
     class Bounded(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**", "%", "+"])
 
@@ -411,6 +447,9 @@ def _environment():
     env.filters["_loop"] = pass_context(lambda context, it: _loop(it))  # never folded early
     env.filters["_concat"] = _concat
     env.filters["_sliced"] = lambda value: _result(value, "a slice")
+    env.filters["_compared"] = pass_context(lambda context, value: _compared(value))
+    env.tests = {name: _bounded_test(t) if name in _COMPARING_TESTS else t
+                 for name, t in env.tests.items()}
     del env.globals["lipsum"]
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

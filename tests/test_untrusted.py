@@ -132,6 +132,10 @@ def test_other_bad_json_is_named(lm, tmp_path):
 
 # --- chat templates: one bounded renderer --------------------------------------------------------
 
+DOUBLED = ("{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(60) %}"
+           "{% set ns.a = [ns.a, ns.a] %}{% set ns.b = [ns.b, ns.b] %}{% endfor %}")
+
+
 @pytest.mark.parametrize("template, needle", [
     ("{% for %}", "template line 1: chat template: TemplateSyntaxError: Expected an expression"),
     ("{% if true %}\n{{ raise_exception('Conversation roles must alternate') }}{% endif %}",
@@ -165,6 +169,11 @@ def test_other_bad_json_is_named(lm, tmp_path):
     ("{{ ([1] * 1000)|map('center', 10**6)|list|length }}", "builds more than"),
     ("{% set big = 'x' * 10**6 %}{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
      "{% set ns.l = ns.l + [big[:-1]] %}{% endfor %}", "builds more than"),
+    # a list doubled 60 times is 60 small lists, but comparing it walks 2^60 items
+    *((DOUBLED + test, "a value compared") for test in (
+        "{{ ns.a == ns.b }}", "{{ ns.a in [ns.b] }}", "{{ [ns.a, ns.b]|sort }}",
+        "{{ [ns.a, ns.b]|max }}", "{{ {'x': ns.a, 'y': ns.b}|dictsort }}",
+        "{{ ns.a is eq ns.b }}", "{{ [ns.a, ns.b]|unique|list }}")),
     ("{% include 'other.jinja' %}", "no loader"),
     ("{{ lipsum(100000) }}", "'lipsum' is undefined"),
     ("{{ 'ab'.translate({97: 'x' * 1000}) }}", "str.translate is not available"),
