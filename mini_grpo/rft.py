@@ -113,6 +113,11 @@ def claim(run, output: Path, source: dict, replace_stale: bool) -> None:
     """Makes `output` this run's to write, on every rank: resumed where it holds our rows of
     these settings; else refused (ConfigError, nothing touched), or with `replace_stale` (a
     run's own directory) our files there removed. Then the sidecar, by rank 0."""
+    if output.exists() and not output.is_file():
+        raise ConfigError(f"--output {output}: is a directory, not a file for rows")
+    above = next(p for p in output.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"--output {output}: {above} is not a directory")
     reason = stale_reason(output, run.cfg, source)  # every rank sees the same files
     D.barrier()
     if reason and not replace_stale:

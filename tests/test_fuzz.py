@@ -11,8 +11,9 @@ Loaders: YAML configs, `--key=value` overrides and task_args (config.load_config
 prompt and messages (tasks/jsonl.py); a model directory's config.json, tokenizer_config.json,
 generation_config.json, model.safetensors.index.json and safetensors headers (models/hf.py,
 HFTokenizer.from_dir); chat templates (chat_template.py); checkpoints (run.checkpoint_config,
-build_policy, tokenizer_from_state); GGUF files (models/gguf.py). What they found is in
-tests/test_untrusted.py.
+build_policy, tokenizer_from_state); GGUF files (models/gguf.py); the command lines of sample,
+export and rft-generate, with the property that no file but the command's own output changes.
+What they found is in tests/test_untrusted.py.
 """
 
 import json
@@ -25,7 +26,7 @@ import hypothesis_profiles  # noqa: F401  (registers and loads the profiles)
 import pytest
 import torch
 from conftest import CHATML, ROOT, tiny_lm_dir
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_untrusted import tiny_checkpoint
 
@@ -460,3 +461,92 @@ def test_gguf_files(gguf_file, tmp_path_factory, data):
     path = tmp_path_factory.getbasetemp() / "fuzz.gguf"
     path.write_bytes(bytes(raw))
     within_bounds(lambda: load_gguf(path))
+
+
+# --- the commands' arguments, and the files around them -----------------------------------------
+
+NUMBERS = st.one_of(st.integers(-3, 3), st.sampled_from(
+    ["0", "-1", "nan", "inf", "-inf", "1e309", "0x10", "", "1" * 30, "100000000", "2.5"]))
+OUTPUTS = st.sampled_from(["run", "run/checkpoints/..", ".", "..", "notes.txt", "data.jsonl",
+                           "new/out", "exp", "x.gguf", "notes.gguf", "missing/deeper/out",
+                           "run/metrics.jsonl", "run/checkpoints", "out.jsonl", "exp/.."])
+
+
+@st.composite
+def command_lines(draw):
+    cmd = draw(st.sampled_from(["sample", "export", "rft-generate"]))
+    argv = [cmd, "--checkpoint", draw(st.sampled_from(["ckpt.pt", "run", "notes.txt",
+                                                       "missing.pt", "ckpt.pt"]))]
+    flags = {"sample": ["--n", "--temperature", "--max_new_tokens", "--seed"],
+             "export": ["--gguf_type", "--dtype"],
+             "rft-generate": ["--split", "--rft_oversample", "--rft_num_prompts"]}[cmd]
+    for flag in draw(st.lists(st.sampled_from(flags), max_size=3)):
+        argv += [flag, str(draw(NUMBERS if flag not in ("--gguf_type", "--dtype", "--split")
+                                else st.sampled_from(["f16", "q8_0", "bfloat16", "train",
+                                                      "eval", "nope", ""])))]
+    if cmd == "sample":
+        argv += ["--prompt", draw(st.sampled_from(["e2e4:", "", "é"])),
+                 *draw(st.lists(st.sampled_from(["--greedy", "--json"]), max_size=2))]
+    else:
+        argv += ["--output", draw(OUTPUTS), *(["--adapter"] if cmd == "export" and
+                                              draw(st.booleans()) else [])]
+    if cmd == "rft-generate":  # small enough to run: the files are what is under test
+        argv += ["--rft_num_prompts=3", "--rft_prompts_per_batch=3", "--max_new_tokens=4"]
+    return argv
+
+
+def snapshot(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A user's directory: a checkpoint, a run directory, notes and data, an earlier export."""
+    from mini_grpo.cli import main
+
+    work = tmp_path_factory.mktemp("work") / "here"
+    (work / "run" / "checkpoints").mkdir(parents=True)
+    torch.save(tiny_checkpoint(), work / "ckpt.pt")
+    (work / "run" / "checkpoints" / "step_0000004.pt").write_bytes(b"weights")
+    (work / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (work / "notes.txt").write_text("my notes\n")
+    (work / "notes.gguf").write_text("not a model\n")
+    (work / "data.jsonl").write_text('{"prompt": "a:", "target": "b"}')
+    assert main(["export", "--checkpoint", str(work / "ckpt.pt"), "--output",
+                 str(work / "exp")]) == 0
+    return work
+
+
+@settings(max_examples=max(40, settings.default.max_examples // 6))  # each a whole command
+@given(argv=command_lines())
+def test_command_lines_never_touch_other_files(workdir, argv):
+    """sample, export and rft-generate on any arguments: exit 0 or one line of exit 2 (never
+    a traceback), and no file changes but the command's own output (the export directory or
+    GGUF file, the RFT data and its side files), which is never a user's file."""
+    import os
+
+    from mini_grpo.cli import main
+
+    before = snapshot(workdir)
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        try:
+            code = within_bounds(lambda: main(argv), seconds=60, mib=1024)
+        except SystemExit as e:  # argparse: a bad flag value, exit 2
+            code = e.code
+    finally:
+        os.chdir(cwd)
+    assert code in (0, 2), (argv, code)
+    out = argv[argv.index("--output") + 1] if "--output" in argv else None
+    mine = os.path.normpath(workdir / out) if out else None
+    after = snapshot(workdir)
+    for name in sorted(set(before) | set(after)):
+        path = os.path.normpath(workdir / name)
+        if code == 0 and mine and (path == mine or path.startswith(mine + os.sep) or (
+                argv[0] == "rft-generate" and path.startswith(mine + "."))):
+            continue  # the command's own output, written where it was allowed to
+        assert before.get(name) == after.get(name), (argv, name)
+    for name in set(after) - set(before):  # no temporaries left beside what it wrote
+        assert ".tmp" not in name, (argv, name)
