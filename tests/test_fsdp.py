@@ -3,6 +3,7 @@ DDP and as one process (HSDP too, on 4 ranks; LoRA's adapters too, the base unto
 the bytes per rank, and a run that trains, checkpoints and resumes under torchrun (also onto
 another number of ranks, both ways)."""
 
+import shutil
 import subprocess
 import sys
 
@@ -83,11 +84,15 @@ def test_a_fsdp_run_checkpoints_in_shards_and_resumes_also_on_fewer_ranks(tmp_pa
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={split}", "--max_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [p.name for p in list_checkpoints(split / "checkpoints")] == ["step_0000002.dcp"]
-    # a later save cut short by a kill: skipped with a warning
-    (split / "checkpoints" / "step_0000003.dcp").mkdir()
+    # a later save whose shard was cut short (a full disk, a copy broken off): skipped with a
+    # warning, the run goes on from the older good one and ends as if never interrupted
+    bad = split / "checkpoints" / "step_0000003.dcp"
+    shutil.copytree(split / "checkpoints" / "step_0000002.dcp", bad)
+    shard = sorted(bad.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:64])
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={split}")  # resumes: 2 -> 4
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming GRPO from step 2" in r.stdout and "cut short" in r.stderr
+    assert "resuming GRPO from step 2" in r.stdout and f"{shard.name} is cut short" in r.stderr
     a, b = (load_file(d / "hf" / "model.safetensors") for d in (straight, split))
     for k in a:  # the final weights, exactly as if never interrupted
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)

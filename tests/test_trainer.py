@@ -80,6 +80,25 @@ def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
     assert load_checkpoint(list_checkpoints(f"{cfg.out_dir}/checkpoints")[-1])["step"] == 4
 
 
+def test_a_junk_newest_checkpoint_costs_no_good_one(tmp_path):
+    """keep_checkpoints 1 with a junk step 9 beside good step 4: the run resumes from 4, and
+    retention keeps its newest good checkpoint (not the junk alone, as it did)."""
+    cfg = tiny(tmp_path, "j", max_steps=4, save_every=1, keep_checkpoints=1)
+    train(cfg)
+    directory = f"{cfg.out_dir}/checkpoints"
+    (tmp_path / "j" / "checkpoints" / "step_0000009.pt").write_bytes(b"junk")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(tiny(tmp_path, "j", max_steps=6, save_every=1, keep_checkpoints=1))
+    assert any("skipping corrupt checkpoint" in str(w.message) for w in caught)
+    assert [p.name for p in list_checkpoints(directory)] == ["step_0000006.pt",
+                                                             "step_0000009.pt"]
+    assert load_checkpoint(f"{directory}/step_0000006.pt")["step"] == 6
+    with open(f"{cfg.out_dir}/metrics.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f if "reward/mean" in line]
+    assert steps == [1, 2, 3, 4, 5, 6]  # resumed from 4, nothing run twice
+
+
 def test_offloaded_reference_gives_the_same_logprobs():
     m = tiny_gpt()
     r = generate(m, [[1, 5, 6], [1, 7]], 10, 2, 0, generator=torch.Generator().manual_seed(0))
