@@ -296,9 +296,9 @@ class GRPOConfig:
         return dataclasses.asdict(self)
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+        from .outputs import write_file
+
+        write_file(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 # Environment variables that switch features; the README's table is generated from this.

@@ -27,6 +27,7 @@ from .config import ConfigError, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
 from .lora import is_lora, merged_state_dict, save_adapter
 from .models.hf import export_dtype, save_hf
+from .outputs import write_file
 from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
@@ -83,7 +84,7 @@ def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool) -> N
     last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1], cfg.sft_steps)
     result["after"] = eval_both(run, last, amp)
     result["baselines"] = trivial_baselines(run.task, run.scorer)
-    (Path(cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+    write_file(Path(cfg.out_dir) / "eval.json", json.dumps(result, indent=2))
     table = {f"{k} {mode}": v[mode] for k, v in result.items() if k != "baselines"
              for mode in ("greedy", "sampled")}
     print("\n" + format_table(table), flush=True)
@@ -172,7 +173,7 @@ def before_grpo(run: Run, resume: dict | None, amp: bool, result: dict) -> dict:
     if resume is not None:
         return {**result, **saved_evals(run)}
     result = {**result, name: eval_both(run, 0, amp)}
-    (Path(run.cfg.out_dir) / "eval.json").write_text(json.dumps(result, indent=2))
+    write_file(Path(run.cfg.out_dir) / "eval.json", json.dumps(result, indent=2))
     return result
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
-from .outputs import OutputWriteError, write_reason
+from .outputs import LineFile, OutputWriteError, write_reason
 
 
 class RunLogger:
@@ -26,9 +26,7 @@ class RunLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
-        self.jsonl_path = self.out_dir / "metrics.jsonl"
-        self.jsonl = open(self.jsonl_path, "ab", buffering=0)  # whole lines: _append
-        self.jsonl_size = _whole_lines(self.jsonl_path)
+        self.jsonl = LineFile(self.out_dir / "metrics.jsonl")  # whole lines, or none
         self.console = sys.stdout  # where progress lines go (benchmark.py: stderr)
         self.prefix = ""  # put before each progress line
         self.tb = self.wandb = None
@@ -57,21 +55,7 @@ class RunLogger:
         self._append(row)
 
     def _append(self, row: dict) -> None:
-        """One whole line onto metrics.jsonl, or none: a failed write (disk full) cuts the
-        file back to its last whole line and stops the run with one line (OutputWriteError)."""
-        data = (json.dumps(row) + "\n").encode()
-        try:
-            done = 0
-            while done < len(data):
-                done += self.jsonl.write(data[done:])
-        except OSError as e:
-            try:
-                os.truncate(self.jsonl_path, self.jsonl_size)
-            except OSError:
-                pass
-            raise OutputWriteError(f"cannot write {self.jsonl_path}: {write_reason(e)}") \
-                from e
-        self.jsonl_size += len(data)
+        self.jsonl.append(json.dumps(row) + "\n")
 
     def _written(self, name: str, fn, *args):
         """fn(*args); its OSError (a full disk under TensorBoard's writer) as one line naming
@@ -109,20 +93,6 @@ class RunLogger:
             self._written("tb", self.tb.close)
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def _whole_lines(path: Path) -> int:
-    """The size of `path` up to its last whole line, a partial one (a kill mid-write) cut."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(max(0, size - (1 << 20)))  # a line is far shorter than the tail read
-        tail = f.read()
-    if b"\n" not in tail and len(tail) < size:
-        return size  # no line end in the last MiB: not ours to cut
-    end = size - len(tail) + tail.rfind(b"\n") + 1
-    if end != size:
-        os.truncate(path, end)
-    return end
 
 
 def _wandb_run(out_dir: Path, config: dict | None):

@@ -1,6 +1,8 @@
-"""Directories a command writes whole (exports, imports): never over a user's files, never half.
+"""Files and directories a command writes whole: never over a user's files, never half.
 
     path = replace_dir("runs/x/hf", HF_FILES, lambda tmp: ...write files into tmp...)
+    write_file("runs/x/eval.json", text)                       # inside a run's own directory
+    write_file("out.json", text, owned=lambda p: ...)          # replaces only a file of ours
 
 A directory is written only where it is absent, empty, or one that mini-grpo wrote before (its
 MARKER file) holding only names that writer writes (`owned`). Anything else is refused with a
@@ -13,6 +15,7 @@ temporary directory, leaves the old one as it was, and is an OutputWriteError of
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -67,6 +70,38 @@ def check_replaceable(output: str | Path, owned: re.Pattern) -> Path:
     return out
 
 
+def check_file(output: str | Path, owned: Callable[[Path], bool]) -> Path:
+    """A file that may be (re)written: absent, or one `owned` says this command wrote;
+    ConfigError naming it otherwise."""
+    out = Path(output)
+    if out.exists() and not (out.is_file() and owned(out)):
+        raise ConfigError(f"output {output}: exists and was not written by this command; not "
+                          f"overwritten (choose another name)")
+    above = next(p for p in out.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"output {output}: {above} is not a directory")
+    return out
+
+
+def write_file(output: str | Path, text: str,
+               owned: Callable[[Path], bool] | None = None) -> Path:
+    """`text` into `output` through a temporary sibling and a rename (a kill leaves the old
+    file whole). `owned`: where given, an existing file is replaced only if it says yes
+    (check_file); without it the caller owns the path (a file in a run's own directory). A
+    failed write removes the temporary file and is an OutputWriteError of one line."""
+    out = check_file(output, owned) if owned is not None else Path(output)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise OutputWriteError(f"cannot write {output}: {write_reason(e)}") from e
+    return out
+
+
 def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], None]) -> Path:
     """Checks `output` (check_replaceable), has `fill` write into a temporary sibling, marks
     it and swaps it in; the old directory goes only once the new one is complete."""
@@ -91,3 +126,49 @@ def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], No
         raise
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+class LineFile:
+    """A file appended in whole lines (metrics.jsonl, RFT shards): a partial last line (a
+    kill mid-write) is cut at open; a write that fails (disk full) cuts the file back to its
+    last whole line and is an OutputWriteError of one line."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.size = whole_lines(self.path) if self.path.is_file() else 0
+        self.f = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+
+    def append(self, text: str) -> None:
+        data = text.encode()
+        try:
+            done = 0
+            while done < len(data):
+                done += self.f.write(data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, self.size)
+            raise OutputWriteError(f"cannot write {self.path}: {write_reason(e)}") from e
+        self.size += len(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def whole_lines(path: Path) -> int:
+    """The size of `path` up to its last whole line, a partial one (a kill mid-write) cut."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        f.seek(max(0, size - (1 << 20)))  # a line is far shorter than the tail read
+        tail = f.read()
+    if b"\n" not in tail and len(tail) < size:
+        return size  # no line end in the last MiB: not ours to cut
+    end = size - len(tail) + tail.rfind(b"\n") + 1
+    if end != size:
+        os.truncate(path, end)
+    return end

@@ -38,6 +38,7 @@ import torch
 from . import distributed as D
 from .data import shard
 from .fields import ConfigError
+from .outputs import LineFile, write_file
 from .rollout import sample, score
 from .sft import stage_changes
 
@@ -129,8 +130,8 @@ def claim(run, output: Path, source: dict, replace_stale: bool) -> None:
             for f in written_files(output):
                 f.unlink()
         output.parent.mkdir(parents=True, exist_ok=True)
-        sidecar(output).write_text(json.dumps({"written_by": WRITTEN_BY, "source": source,
-                                               "config": run.cfg.to_dict()}))
+        write_file(sidecar(output), json.dumps({"written_by": WRITTEN_BY, "source": source,
+                                                "config": run.cfg.to_dict()}))
     D.barrier()
 
 
@@ -164,7 +165,7 @@ def generate_rft_data(run, examples, output: str | Path, amp: bool = True,
     if dist.is_main:
         print(f"[rft] {len(prompts)} prompts x {K} completions, {B} prompts per batch; "
               f"{len(mine) - len(todo)} of this rank's {len(mine)} already done", flush=True)
-    with open(shard_path, "a") as out, open(done_path, "a") as done_f:
+    with LineFile(shard_path) as out, LineFile(done_path) as done_f:
         for i in range(0, len(todo), B):
             batch = todo[i:i + B]
             rows = [p for p in batch for _ in range(K)]
@@ -187,10 +188,8 @@ def generate_rft_data(run, examples, output: str | Path, amp: bool = True,
                         **ask, "target": first[p].target, "completion": r.texts[k],
                         "reward": float(res.total[k]),
                         "rewards": {n: float(c[k]) for n, c in res.columns.items()}}) + "\n")
-            out.write("".join(lines))  # whole lines, then the prompts they finish
-            out.flush()
-            done_f.write("".join(json.dumps({"prompt": p}) + "\n" for p in batch))
-            done_f.flush()
+            out.append("".join(lines))  # whole lines, then the prompts they finish
+            done_f.append("".join(json.dumps({"prompt": p}) + "\n" for p in batch))
             done_now["prompts"] += len(batch)
             done_now["completions"] += len(rows)
             if dist.is_main:
@@ -210,9 +209,7 @@ def generate_rft_data(run, examples, output: str | Path, amp: bool = True,
                 merged.setdefault(r["prompt"], []).append(r)
         rows = [r for p in sorted(merged, key=lambda p: order.get(p, len(order)))
                 for r in merged[p]]
-        tmp = Path(f"{output}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, output)
+        write_file(output, "".join(json.dumps(r) + "\n" for r in rows))
         for rank in range(dist.world_size):
             Path(f"{output}.rank{rank}").unlink(missing_ok=True)
             Path(f"{output}.rank{rank}.done").unlink(missing_ok=True)
@@ -225,7 +222,7 @@ def generate_rft_data(run, examples, output: str | Path, amp: bool = True,
             "seconds": dt, "completions_per_s": total["completions"] / dt if dt > 0 else 0.0,
             "oversample": K, "prompts_per_batch": B, "min_reward": cfg.rft_min_reward,
             "keep": cfg.rft_keep, "world_size": dist.world_size}
-        Path(f"{output}.summary.json").write_text(json.dumps(summary, indent=2))
+        write_file(Path(f"{output}.summary.json"), json.dumps(summary, indent=2))
         print(f"[rft] {covered}/{len(prompts)} prompts with an accepted completion "
               f"({100 * summary['acceptance_rate']:.1f}%), mean kept reward "
               f"{summary['mean_kept_reward']:.3f}, {summary['completions_per_s']:.0f} "

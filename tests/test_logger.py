@@ -78,7 +78,7 @@ def test_a_full_disk_is_one_line_and_leaves_whole_lines(tmp_path, monkeypatch):
         def close(self):
             self.f.close()
 
-    log.jsonl = Full(log.jsonl)
+    log.jsonl.f = Full(log.jsonl.f)
     with pytest.raises(OutputWriteError, match="metrics.jsonl: disk full"):
         log.scalars(4, {"reward": 0.25})
     log.close()

@@ -97,3 +97,40 @@ def test_export_refuses_a_run_directory_and_writes_a_new_one(tmp_path):
     assert r.returncode == 0 and (out / "model.safetensors").is_file(), r.stderr
     assert cli("export", "--checkpoint", lm, "--output", out).returncode == 0  # ours: replaced
     assert sorted(p.name for p in run.rglob("*")) == before
+
+
+def test_write_file_replaces_only_its_own_files_and_never_leaves_half(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from mini_grpo.outputs import write_file
+
+    ours = lambda p: p.read_text().startswith("ours")  # noqa: E731
+    out = write_file(tmp_path / "d" / "x.json", "ours 1", owned=ours)
+    write_file(out, "ours 2", owned=ours)
+    assert out.read_text() == "ours 2"
+    (tmp_path / "notes.txt").write_text("my notes")
+    with pytest.raises(ConfigError, match="notes.txt: exists and was not written"):
+        write_file(tmp_path / "notes.txt", "ours", owned=ours)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        write_file(tmp_path / "notes.txt" / "x", "ours", owned=ours)
+
+    def full(self, text):
+        Path(self).open("w").write(text[:2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OutputWriteError, match="x.json: disk full"):
+        write_file(out, "ours 3")
+    monkeypatch.undo()
+    assert out.read_text() == "ours 2" and sorted(os.listdir(out.parent)) == ["x.json"]
+
+
+def test_evaluate_json_never_replaces_a_users_file(tmp_path, capsys):
+    from mini_grpo.cli import evaluate_main
+
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    # refused before the checkpoint is even read (it does not exist: that would be the error)
+    assert evaluate_main(["--checkpoint", str(tmp_path / "none.pt"), "--json", str(notes)]) == 2
+    assert "notes.json: exists and was not written" in capsys.readouterr().err
+    assert notes.read_text() == '{"mine": 1}'
