@@ -4,8 +4,10 @@ from the eval.json of two runs of configs/smollm2_numeric on the same machine:
     python distributed_train.py --config smollm2_numeric                       # rft_grpo
     python distributed_train.py --config smollm2_numeric --mode=grpo \\
         --out_dir=runs/smollm2_numeric_grpo                                     # GRPO alone
+    python distributed_train.py --config smollm2_numeric --mode=grpo --lora_r=16 --lr=2e-4 \\
+        --out_dir=runs/smollm2_numeric_grpo_lora                                # with LoRA
     python bench/lm_job_table.py runs/smollm2_numeric runs/smollm2_numeric_grpo \\
-        --out bench/lm_job_<cpu>.json
+        --lora runs/smollm2_numeric_grpo_lora --out bench/lm_job_<cpu>.json
 
 Rows: the base model (the rft_grpo run's "before"), after RFT ("rft"), after GRPO alone (the
 grpo run's "after") and after RFT then GRPO ("after"); columns: greedy and sampled accuracy
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 from mini_grpo.dtype_probe import cpu_name
@@ -27,10 +30,19 @@ def accuracy(ev: dict) -> tuple[float, float]:
     return p, math.sqrt(max(p * (1 - p), 0.0) / n)
 
 
+def step_median(run: str) -> float:
+    """The median of a run's GRPO step times (metrics.jsonl): robust to a few steps slowed by
+    other work on the machine."""
+    with open(Path(run) / "metrics.jsonl") as f:
+        steps = [json.loads(line)["time/step"] for line in f if '"time/step"' in line]
+    return statistics.median(steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("rft_grpo", help="run directory of mode rft_grpo")
     ap.add_argument("grpo", nargs="?", help="run directory of mode grpo (optional)")
+    ap.add_argument("--lora", help="run directory of mode grpo with lora_r set (optional)")
     ap.add_argument("--minutes", nargs="*", type=float, default=[],
                     help="wall minutes of the runs, in the same order")
     ap.add_argument("--out", help="JSON file to write")
@@ -39,6 +51,8 @@ def main() -> None:
     rows = {"base": a["before"], "RFT": a.get("rft")}
     if args.grpo:
         rows["GRPO"] = json.loads((Path(args.grpo) / "eval.json").read_text())["after"]
+    if args.lora:
+        rows["GRPO, LoRA"] = json.loads((Path(args.lora) / "eval.json").read_text())["after"]
     rows["RFT+GRPO"] = a["after"]
     base = {m: accuracy(rows["base"][m]) for m in ("greedy", "sampled")}
     table = {}
@@ -59,7 +73,12 @@ def main() -> None:
         table[name] = entry
         print(f"| {name} | " + " | ".join(cells) + " |")
     result = {"cpu": cpu_name(), "config": "smollm2_numeric", "rows": table,
-              "minutes": dict(zip(["rft_grpo", "grpo"], args.minutes))}
+              "minutes": dict(zip(["rft_grpo", "grpo"], args.minutes)),
+              "grpo_step_s_median": {name: step_median(d) for name, d in (
+                  ("rft_grpo", args.rft_grpo), ("grpo", args.grpo), ("grpo_lora", args.lora))
+                  if d}}
+    print("median GRPO step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                               result["grpo_step_s_median"].items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -76,12 +76,18 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
         directory.mkdir(parents=True, exist_ok=True)
         clean_stale_temps(directory)
     D.barrier()
-    fsdp.write_shards(model, opt, tmp, keep=lambda k: _kept(model, k))
+    try:
+        fsdp.write_shards(model, opt, tmp, keep=lambda k: _kept(model, k))
+        if D.is_main():
+            torch.save(meta, tmp / "meta.pt")
+            shutil.rmtree(final, ignore_errors=True)  # the same step saved again
+            os.replace(tmp, final)
+            _fsync_dir(directory)
+    except Exception as e:  # disk full on any rank: no half directory left, older ones kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"cannot write checkpoint {final}: {write_reason(e)}") \
+            from e
     if D.is_main():
-        torch.save(meta, tmp / "meta.pt")
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again
-        os.replace(tmp, final)
-        _fsync_dir(directory)
         prune(directory, keep, final)
     D.barrier()
     return final

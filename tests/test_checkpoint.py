@@ -289,3 +289,19 @@ def test_a_sharded_checkpoint_missing_a_shard_is_skipped_not_a_traceback(tmp_pat
     with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
         found, st = latest_checkpoint(tmp_path)
     assert found.name == "step_0000002.pt" and st["step"] == 2
+
+
+def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_directory(tmp_path,
+                                                                          monkeypatch):
+    sharded(tmp_path, 2)
+
+    def full(model, opt, path, keep=None):
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(C.fsdp, "write_shards", full)
+    with pytest.raises(CheckpointWriteError, match="step_0000003.dcp: disk full"):
+        C._save_sharded(None, None, {"kind": "grpo", "step": 3}, tmp_path, 3, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_0000002.dcp"]
+    assert load_checkpoint(tmp_path / "step_0000002.dcp")["step"] == 2
