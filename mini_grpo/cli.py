@@ -59,6 +59,11 @@ def _guarded(fn) -> int:
 
 
 def train_main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        from .config import help_text
+
+        print(help_text(), end="")
+        return 0
     print_config = "--print-config" in argv
     argv = [a for a in argv if a != "--print-config"]
     try:

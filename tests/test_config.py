@@ -259,3 +259,20 @@ def test_vllm_asked_for_but_not_importable_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"needs the vllm package \(`make setup VLLM=1`"):
         import_vllm()
+
+
+def test_help_lists_every_option_with_its_default(capsys):
+    """`distributed_train.py --help` / `mini-grpo train --help` answer (they were a 'missing
+    value' error), listing every field with its type, default and help comment."""
+    import dataclasses
+
+    from mini_grpo.cli import train_main
+    from mini_grpo.config import GRPOConfig
+
+    for flag in ("--help", "-h"):
+        assert train_main(["--config", "tiny", flag]) == 0
+        text = capsys.readouterr().out
+        for f in dataclasses.fields(GRPOConfig):
+            assert f"  --{f.name} (" in text, f.name
+        assert "  --lr (float, default 3e-5)" in text and "LORA_R (lora_r)" in text
+        assert "  --lora_r (int, default 0)\n      adapters of this rank" in text
