@@ -76,12 +76,12 @@ def test_killed_rank_restarts_and_resumes_from_the_checkpoint(tmp_path, parallel
 
 
 def test_a_rank_that_raises_ends_the_job_quickly(tmp_path):
-    t0 = time.monotonic()
+    # the survivors must not wait out dist_timeout (900 s) in a collective: a job that did
+    # would run into the launch's own timeout (300 s) and fail here, however busy the machine
     r = torchrun("tests/fault_worker.py", "--fault=raise:2", "--", *TINY,
-                 f"--out_dir={tmp_path / 'raise'}", "--dist_timeout=60", timeout=240)
+                 f"--out_dir={tmp_path / 'raise'}", "--dist_timeout=900", timeout=300)
     assert r.returncode != 0
     assert "injected fault on rank 1 at step 2" in r.stderr
-    assert time.monotonic() - t0 < 120
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")

@@ -6,6 +6,7 @@ file by name to find them.
 
 import logging
 import math
+import os
 import random
 import subprocess
 import sys
@@ -66,7 +67,11 @@ def string_on_bad(prompts, completions, targets, metas):
 
 
 def sleepy(prompts, completions, targets, metas):
-    time.sleep(1.2 if "bad" in completions else 0.0)
+    if "bad" in completions:
+        time.sleep(5.0)
+        marker = os.environ.get("SLEEPY_MARKER")
+        if marker:  # the sleep ran to its end: a scorer that waited for it would see this
+            open(marker, "w").close()
     return [1.0] * len(completions)
 
 
@@ -276,12 +281,13 @@ def test_nan_none_inf_strings_fail_only_their_rows(fn, caplog):
 
 
 @pytest.mark.parametrize("executor", ["serial", "thread", "process"])
-def test_hung_plugin_times_out_and_the_rest_still_scores(executor):
+def test_hung_plugin_times_out_and_the_rest_still_scores(executor, tmp_path, monkeypatch):
+    marker = tmp_path / "slept"
+    monkeypatch.setenv("SLEEPY_MARKER", str(marker))
     with RewardScorer([spec(sleepy), spec(length)], executor=executor, workers=2, timeout=0.3,
                       max_fail_frac=0.5) as scorer:
-        t0 = time.perf_counter()
         res = scorer.score(*rows(BATCH))
-        assert time.perf_counter() - t0 < 1.0  # did not wait for the 1.2 s sleep
+        assert not marker.exists()  # it did not wait for the 5 s sleep (timeout 0.3 s)
         np.testing.assert_array_equal(res.columns["sleepy"], [1, 1, 0, 0])
         np.testing.assert_array_equal(res.columns["length"], [1, 1, 1, 3])
         assert scorer.failure_counts["sleepy"] == 2

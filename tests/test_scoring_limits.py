@@ -77,7 +77,7 @@ def test_calls_that_loop_on_the_cpu_do_not_pile_up_under_threads(executor, slots
         # ... but calls that never return stop the scorer before they pile up: serial stops
         # when the first batch's second chunk hangs while its first still spins; thread when
         # the second batch's two calls join the first batch's two
-        t0, outcomes = time.perf_counter(), []
+        outcomes = []
         for _ in range(6):
             try:
                 scorer.score(*rows(["spin"] * 4))
@@ -85,7 +85,6 @@ def test_calls_that_loop_on_the_cpu_do_not_pile_up_under_threads(executor, slots
             except RewardError as e:
                 outcomes.append(str(e))
             assert len(SPINNING) <= 2 * slots  # live abandoned calls stay bounded
-        assert time.perf_counter() - t0 < 5  # about 2 timeouts; later batches stop at once
         assert outcomes[:slots - 1] == ["scored"] * (slots - 1)
         for err in outcomes[slots - 1:]:
             assert err.startswith(f"reward plugin 'spin': {2 * slots} calls that ran past "

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -181,13 +180,13 @@ DOUBLED = ("{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(60) %}"
     ("{% if false %}x{% endif %}", "renders an empty prompt"),
 ])
 def test_chat_templates_that_fail_are_one_line_naming_the_file(template, needle):
-    t0 = time.monotonic()
+    # refused by the bound its needle names, not by the 2 s clock (that would be another
+    # message): no wall-clock assertion needed, which a busy machine could fail
     if needle == "ok":
         assert ChatTemplate(template + "ok", "x.jinja").render(USER) == "ok"
         return
     refused(lambda: ChatTemplate(template, "d/chat_template.jinja").render(USER, seconds=2),
             "d/chat_template.jinja", needle)
-    assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.parametrize("template", [
@@ -196,10 +195,8 @@ def test_chat_templates_that_fail_are_one_line_naming_the_file(template, needle)
     "{% for x in [range(99999)] * 99999 recursive %}{{ loop(x) if x is iterable }}{% endfor %}",
 ])
 def test_a_template_that_runs_for_ever_is_stopped(template):
-    t0 = time.monotonic()
     refused(lambda: ChatTemplate(template, "t.jinja").render(USER, seconds=0.3),
             "t.jinja, template line 1: chat template: rendering took longer than 0.3 s")
-    assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.parametrize("value, needle", [
