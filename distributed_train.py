@@ -5,7 +5,7 @@
     python distributed_train.py --config tiny --mode=grpo    # stages: sft_grpo | sft | grpo
     python distributed_train.py --config tiny --print-config
 
-Under torchrun the same script runs one rank per process (see README, multi-process DDP).
+Under torchrun the same script runs one rank per process (see docs/guide.md, multi-process DDP).
 Exit codes: 0 ok, 2 bad input (one line on stderr), 1 any other failure.
 """
 

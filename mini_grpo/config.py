@@ -90,7 +90,7 @@ class GRPOConfig:
     # fp32 manual 8.1k, bf16 sdpa 16.1k, bf16 manual 19.5k.
     attn_impl: Literal["auto", "sdpa", "manual"] = "auto"
 
-    # ---- LoRA (lora.py; README "LoRA") ----
+    # ---- LoRA (lora.py; docs/guide.md "LoRA") ----
     lora_r: int = 0  # adapters of this rank on init_from's frozen base; 0 = full fine-tuning
     lora_alpha: float = 32.0  # the update is scaled by lora_alpha / lora_r
     lora_dropout: float = 0.0
@@ -107,7 +107,7 @@ class GRPOConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
 
-    # ---- rollout engine (mini_grpo/engines; README "Rollouts with vLLM") ----
+    # ---- rollout engine (mini_grpo/engines; docs/guide.md "Rollouts with vLLM") ----
     # native: our KV-cached sampler; vllm: vLLM (`make setup VLLM=1`, Hugging Face models)
     rollout_engine: Literal["native", "vllm"] = "native"
     # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
@@ -152,7 +152,7 @@ class GRPOConfig:
     # ---- rejection-sampling fine-tuning (mode: rft) ----
     rft_oversample: int = 16  # completions sampled per prompt
     # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
-    # the 2-core CPU (README's RFT table); GPUs want far larger passes
+    # the 2-core CPU (docs/guide.md's RFT table); GPUs want far larger passes
     rft_prompts_per_batch: int = 8
     rft_min_reward: float = 0.9  # keep a completion only at or above this reward
     rft_keep: Literal["best", "all"] = "best"  # per prompt: the best one, or every distinct one
