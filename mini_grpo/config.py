@@ -339,7 +339,7 @@ def help_text() -> str:
     return "\n".join(out) + "\n"
 
 
-# Environment variables that switch features; the README's table is generated from this.
+# Environment variables that switch features; README's table says the same (tests/test_config.py).
 ENV_VARS: dict[str, str] = {
     "USE_AMP": "use_amp", "AMP_DTYPE": "amp_dtype", "USE_TF32": "use_tf32",
     "COMPILE_MODEL": "compile_model", "COMPILE_MODE": "compile_mode",

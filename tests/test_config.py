@@ -276,3 +276,17 @@ def test_help_lists_every_option_with_its_default(capsys):
             assert f"  --{f.name} (" in text, f.name
         assert "  --lr (float, default 3e-5)" in text and "LORA_R (lora_r)" in text
         assert "  --lora_r (int, default 0)\n      adapters of this rank" in text
+
+
+def test_readme_lists_every_environment_switch():
+    """README's table of environment variables says what ENV_VARS does, row for row."""
+    import re
+
+    from conftest import ROOT
+
+    from mini_grpo.config import ENV_VARS
+
+    rows = re.findall(r"^\| `([A-Z0-9_]+)` \| `(\w+)` \|", (ROOT / "README.md").read_text(),
+                      re.M)
+    # PARALLEL_REWARDS, a legacy switch, is read as reward_executor: README names that field
+    assert dict(rows) == {**ENV_VARS, "PARALLEL_REWARDS": "reward_executor"}
