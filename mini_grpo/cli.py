@@ -214,6 +214,8 @@ def check_sample_args(args) -> None:
         raise ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}")
     if args.n < 1:
         raise ConfigError(f"--n: must be >= 1, got {args.n}")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed: must be in 0..2**63 - 1, got {args.seed}")
     if args.n * len(args.prompt) > MAX_GENERATED:
         raise ConfigError(f"--n: {args.n:,} completions of {len(args.prompt)} prompt(s) are "
                           f"more than {MAX_GENERATED:,} rows")

@@ -228,6 +228,8 @@ class GRPOConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:  # torch's generators take 64 bits; seeds are mixed
+            raise ConfigError(f"seed: must be in 0..{2**32 - 1}, got {self.seed}")
         if self.num_eval > MAX_GENERATED:
             raise ConfigError(f"num_eval: must be <= {MAX_GENERATED:,}, got {self.num_eval}")
         # rows generated and trained on per step: bounded as num_eval is (run.check_step_memory

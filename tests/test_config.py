@@ -87,6 +87,8 @@ def test_bare_name_is_looked_up_in_configs():
                                                  "valid URL"]),
     ("", ["--vllm_server_url=http://h:99999"], {}, ["vllm_server_url", "not a valid URL"]),
     ("", ["--group_size=1000000000"], {}, ["group_size: must be <= 10,000,000"]),
+    ("", ["--seed=111111111111111111111111111111"], {}, ["seed: must be in 0..4294967295"]),
+    ("", ["--seed=-1"], {}, ["seed: must be in 0..4294967295"]),
     ("", ["--prompts_per_step=2000000"], {}, ["prompts_per_step: 2,000,000 prompts x "
                                               "group_size 8 = 16,000,000 rows per step"]),
     ("", ["--micro_batch_size=1000000000"], {}, ["micro_batch_size: must be <= 10,000,000"]),

@@ -360,7 +360,8 @@ def open_checkpoint(path):
 
 @pytest.mark.parametrize("key, value", [("n_embd", True), ("vocab_size", None),
                                         ("n_head", "4"), ("dropout", float("nan")),
-                                        ("n_head", 3)])  # 3: a RuntimeError in `sample`
+                                        ("n_head", 3),  # 3: a RuntimeError in `sample`
+                                        ("dropout", 2)])  # torch's ValueError (long fuzz)
 def test_a_model_spec_of_the_wrong_types_is_named(tmp_path, key, value):
     spec = tiny_checkpoint()["model_spec"]
     path = saved(tmp_path, model_spec={**spec, "config": {**spec["config"], key: value}})
@@ -400,6 +401,8 @@ def test_a_checkpoint_holding_more_than_plain_values_is_one_line(tmp_path):
     (["--temperature", "inf"], "--temperature: must be a finite number > 0"),
     (["--temperature", "-1"], "--temperature: must be a finite number > 0"),
     (["--max_new_tokens", "0"], "--max_new_tokens: must be >= 1"),
+    (["--seed", "1" * 30], "--seed: must be in 0..2**63 - 1"),  # torch's OverflowError (fuzz)
+    (["--seed", "-1"], "--seed: must be in 0..2**63 - 1"),
 ])
 def test_sample_refuses_bad_arguments_before_loading_anything(tmp_path, capsys, args, needle):
     from mini_grpo.cli import sample_main

@@ -66,6 +66,8 @@ def model_config(spec: dict):
                          f"{whole} {getattr(cfg, whole)}")
     if family == "llama" and cfg.head_dim % 2:
         raise ValueError(f"model config head_dim: {cfg.head_dim} must be even (RoPE)")
+    if not 0 <= getattr(cfg, "dropout", 0.0) < 1:  # a probability (torch refuses others)
+        raise ValueError(f"model config dropout: {cfg.dropout} is not in [0, 1)")
     return cfg
 
 
