@@ -142,3 +142,15 @@ def test_the_timeout_bounds_a_whole_reply_sent_byte_by_byte(policy, server):
     with pytest.raises(EngineError, match=r"within vllm_server_timeout \(1 s\)") as e:
         eng.generate(PROMPTS, Sampling(max_new_tokens=8))
     assert url in str(e.value)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "99999"], "--port: must be in 0..65535, got 99999"),
+    (["--host", "256.1.1.1"], "--host/--port 256.1.1.1:8000: cannot listen there"),
+])
+def test_vllm_serve_checks_where_it_listens_before_building_an_engine(tmp_path, args, needle):
+    from mini_grpo.engines.server import serve
+
+    # the model directory does not exist: the address is refused first, in a moment
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        serve(["--model", str(tmp_path / "none"), *args])
