@@ -9,12 +9,16 @@ chess's valid-FEN rate, and the same figures per bucket (chess: ply ranges). Kno
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .rewards.text import exact_match
 from .rollout import sample, score
+
+if TYPE_CHECKING:
+    from .run import Run
 
 
 def _summary(total, columns: dict, lengths) -> dict[str, float]:
@@ -29,7 +33,8 @@ def _summary(total, columns: dict, lengths) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(run, greedy: bool, seed: int = 0, batch_size: int = 256, amp: bool = True) -> dict:
+def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
+             amp: bool = True) -> dict:
     """One completion per held-out example of run.task, scored; returns a flat dict."""
     cfg, task, examples = run.cfg, run.task, run.task.eval
     gen = torch.Generator(device=run.device).manual_seed(seed)

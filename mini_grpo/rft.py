@@ -32,6 +32,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from .fields import ConfigError
 from .outputs import LineFile, write_file
 from .rollout import sample, score
 from .sft import stage_changes
+
+if TYPE_CHECKING:
+    from .run import Run
 
 WRITTEN_BY = "mini-grpo rft-generate"
 _PART = re.compile(r"\.rank\d+(\.done)?")
@@ -110,7 +114,7 @@ def stale_reason(output: Path, cfg, source: dict) -> str | None:
     return f"{output} was generated with other {', '.join(changed)}" if changed else None
 
 
-def claim(run, output: Path, source: dict, replace_stale: bool) -> None:
+def claim(run: Run, output: Path, source: dict, replace_stale: bool) -> None:
     """Makes `output` this run's to write, on every rank: resumed where it holds our rows of
     these settings; else refused (ConfigError, nothing touched), or with `replace_stale` (a
     run's own directory) our files there removed. Then the sidecar, by rank 0."""
@@ -136,7 +140,7 @@ def claim(run, output: Path, source: dict, replace_stale: bool) -> None:
 
 
 @torch.no_grad()
-def generate_rft_data(run, examples, output: str | Path, amp: bool = True,
+def generate_rft_data(run: Run, examples, output: str | Path, amp: bool = True,
                       source: dict | None = None, replace_stale: bool = False) -> dict:
     """Writes the accepted completions of `examples` to `output`; returns the summary.
     `amp`: sampling autocast still trusted (the verdict of the stage before). `source`: what

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from .data import batch_indices, sft_batch, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .state import TrainState
+
+if TYPE_CHECKING:
+    from .run import Run
 
 # the options that shape a trained stage: a stage saved with others is not reused. The RFT
 # stage starts from the SFT one, so it depends on both.
@@ -57,7 +61,7 @@ def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
     return [k for k in STAGE_KEYS[tag] if saved.get(k) != now.get(k)]
 
 
-def _reusable(run, directory: Path, steps: int, tag: str):
+def _reusable(run: Run, directory: Path, steps: int, tag: str):
     """The finished stage's checkpoint if it can be reused, else None (says why)."""
     path, state = latest_checkpoint(directory)
     if state is None or state.get("step") != steps:
@@ -70,7 +74,7 @@ def _reusable(run, directory: Path, steps: int, tag: str):
     return path, state
 
 
-def train_sft(run, examples=None, steps=None, lr=None, directory=None, tag="sft",
+def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag="sft",
               amp: bool = True) -> bool:
     """Trains run.model in place, or loads the finished stage from disk; returns the stage's
     autocast verdict for the next (`amp` is the one it starts from: see state.py).

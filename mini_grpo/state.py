@@ -21,6 +21,7 @@ travels in every checkpoint with the guard's state, so a resumed run keeps it to
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +38,12 @@ from .checkpoint import (
 from .guards import Guard, finite_everywhere, params_finite
 from .optim import lr_at, make_optimizer, set_lr
 
+if TYPE_CHECKING:
+    from .run import Run
+
 
 class TrainState:
-    def __init__(self, run, lr: float, total: int, warmup: int, amp: bool = True,
+    def __init__(self, run: Run, lr: float, total: int, warmup: int, amp: bool = True,
                  tag: str = "grpo", directory: str | Path | None = None, keep: int = 0,
                  seed: int | None = None):
         """`lr` peaks after `warmup` of `total` steps (lr_at); `amp`: the autocast verdict

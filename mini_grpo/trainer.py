@@ -19,6 +19,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,8 +32,11 @@ from .grpo import LossSettings, group_advantages, grpo_loss, zero_spread
 from .rollout import MicroBatch, Rollout, micro_batches, score
 from .state import TrainState
 
+if TYPE_CHECKING:
+    from .run import Run
 
-def train_grpo(run, resume: dict | None = None, amp: bool = True) -> TrainState:
+
+def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainState:
     """GRPO steps until cfg.max_steps; run.model is trained in place. `resume`: a loaded GRPO
     checkpoint to continue from (weights, optimizer, guard, step, RNG); `amp`: the autocast
     verdict of the stage before. Returns the final state (its guard's verdict included)."""
@@ -117,7 +121,7 @@ def train_grpo(run, resume: dict | None = None, amp: bool = True) -> TrainState:
     return state
 
 
-def evaluate_step(run, step: int, amp: bool) -> None:
+def evaluate_step(run: Run, step: int, amp: bool) -> None:
     """The periodic greedy evaluation: every rank gathers the weights, rank 0 evaluates and
     logs the metrics and samples."""
     with fsdp.full_params(run.model):

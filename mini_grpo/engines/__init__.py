@@ -22,7 +22,12 @@ runs; it calls `sync` whenever an update (or a restore) changed the policy's wei
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .base import Engine, EngineError, Sampling
+
+if TYPE_CHECKING:
+    from ..run import Run
 
 __all__ = ["Engine", "EngineError", "Sampling", "check_engine", "make_engine"]
 
@@ -36,7 +41,7 @@ def check_engine(cfg, device) -> None:
                           "it needs a GPU (this run is on the CPU)")
 
 
-def make_engine(run, max_len: int | None = None) -> Engine:
+def make_engine(run: Run, max_len: int | None = None) -> Engine:
     """The engine `run.cfg.rollout_engine` names, for `run.model`; `max_len`: the longest
     prompt + completion it must hold (default: the model's block size). A model the engine
     cannot serve is a ConfigError here, at the start, not in the first step."""

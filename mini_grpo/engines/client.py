@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from ..rollout import Rollout
 from .base import EngineError
 from .vllm import check_servable, engine_config, row_seeds, sampling_options, to_rollout
 
+if TYPE_CHECKING:
+    from ..run import Run
+
 # what must agree between the policy and the server's model
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
               "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
@@ -48,7 +52,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ServerEngine:
     name = "vllm"
 
-    def __init__(self, run):
+    def __init__(self, run: Run):
         cfg = run.cfg
         check_servable(run.tok)
         self.url, self.timeout = cfg.vllm_server_url.rstrip("/"), cfg.vllm_server_timeout

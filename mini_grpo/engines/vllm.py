@@ -34,6 +34,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +45,9 @@ from ..lora import merged
 from ..models.hf import export_config, hf_tensors
 from ..rollout import Rollout, pad_left
 from ..tokenizer import HFTokenizer
+
+if TYPE_CHECKING:
+    from ..run import Run
 
 MIN_KV_BYTES = 64 << 20
 
@@ -190,7 +194,7 @@ def shutdown(llm) -> None:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, run, max_len: int | None = None):
+    def __init__(self, run: Run, max_len: int | None = None):
         cfg, model, tok = run.cfg, run.model, run.tok
         tp, world = cfg.vllm_tensor_parallel_size, run.dist.world_size
         if world % tp:
