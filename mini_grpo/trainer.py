@@ -228,8 +228,9 @@ def policy_pass(net, batches: list[MicroBatch], batch: Batch, ref_lp, old, cfg,
             backward(loss * world)
         k = mb.mask.sum()
         pushed, real = mb.positions()
-        stats += StepStats(loss.detach(), *(v * k for v in st),
-                           *torch.tensor([pushed, real], dtype=torch.float32, device=k.device))
+        pushed, real = torch.tensor([pushed, real], dtype=torch.float32, device=k.device)
+        stats += StepStats(loss=loss.detach(), positions=pushed, real=real,
+                           **{name: v * k for name, v in st._asdict().items()})
     for _ in range(pad):
         with autocast():
             nothing = batches[-1].logprobs(net, cfg.temperature).sum() * 0.0
