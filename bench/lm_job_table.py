@@ -4,10 +4,11 @@ from the eval.json of two runs of configs/smollm2_numeric on the same machine:
     python distributed_train.py --config smollm2_numeric                       # rft_grpo
     python distributed_train.py --config smollm2_numeric --mode=grpo \\
         --out_dir=runs/smollm2_numeric_grpo                                     # GRPO alone
-    python distributed_train.py --config smollm2_numeric --mode=grpo --lora_r=16 --lr=2e-4 \\
-        --out_dir=runs/smollm2_numeric_grpo_lora                                # with LoRA
+    python distributed_train.py --config smollm2_numeric --mode=grpo --lora_r=16 --lr=5e-4 \\
+        --out_dir=runs/smollm2_numeric_grpo_lora_5e-4                           # with LoRA
     python bench/lm_job_table.py runs/smollm2_numeric runs/smollm2_numeric_grpo \\
-        --lora runs/smollm2_numeric_grpo_lora --out bench/lm_job_<cpu>.json
+        --lora runs/smollm2_numeric_grpo_lora runs/smollm2_numeric_grpo_lora_5e-4 \\
+        --out bench/lm_job_<cpu>.json
 
 Rows: the base model (the rft_grpo run's "before"), after RFT ("rft"), after GRPO alone (the
 grpo run's "after") and after RFT then GRPO ("after"); columns: greedy and sampled accuracy
@@ -30,6 +31,13 @@ def accuracy(ev: dict) -> tuple[float, float]:
     return p, math.sqrt(max(p * (1 - p), 0.0) / n)
 
 
+def lr_of(run: str) -> float:
+    """The learning rate a run's resolved config.yaml holds."""
+    import yaml
+
+    return float(yaml.safe_load((Path(run) / "config.yaml").read_text())["lr"])
+
+
 def step_median(run: str) -> float:
     """The median of a run's GRPO step times (metrics.jsonl): robust to a few steps slowed by
     other work on the machine."""
@@ -42,7 +50,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("rft_grpo", help="run directory of mode rft_grpo")
     ap.add_argument("grpo", nargs="?", help="run directory of mode grpo (optional)")
-    ap.add_argument("--lora", help="run directory of mode grpo with lora_r set (optional)")
+    ap.add_argument("--lora", nargs="*", default=[],
+                    help="run directories of mode grpo with lora_r set (optional)")
     ap.add_argument("--minutes", nargs="*", type=float, default=[],
                     help="wall minutes of the runs, in the same order")
     ap.add_argument("--out", help="JSON file to write")
@@ -51,8 +60,9 @@ def main() -> None:
     rows = {"base": a["before"], "RFT": a.get("rft")}
     if args.grpo:
         rows["GRPO"] = json.loads((Path(args.grpo) / "eval.json").read_text())["after"]
-    if args.lora:
-        rows["GRPO, LoRA"] = json.loads((Path(args.lora) / "eval.json").read_text())["after"]
+    for run in args.lora:
+        rows[f"GRPO, LoRA lr {lr_of(run):g}"] = \
+            json.loads((Path(run) / "eval.json").read_text())["after"]
     rows["RFT+GRPO"] = a["after"]
     base = {m: accuracy(rows["base"][m]) for m in ("greedy", "sampled")}
     table = {}
@@ -75,8 +85,8 @@ def main() -> None:
     result = {"cpu": cpu_name(), "config": "smollm2_numeric", "rows": table,
               "minutes": dict(zip(["rft_grpo", "grpo"], args.minutes)),
               "grpo_step_s_median": {name: step_median(d) for name, d in (
-                  ("rft_grpo", args.rft_grpo), ("grpo", args.grpo), ("grpo_lora", args.lora))
-                  if d}}
+                  ("rft_grpo", args.rft_grpo), ("grpo", args.grpo),
+                  *((f"grpo_lora_lr_{lr_of(d):g}", d) for d in args.lora)) if d}}
     print("median GRPO step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                result["grpo_step_s_median"].items()))
     if args.out:
