@@ -49,6 +49,14 @@ def write_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
+def check_parent(output: str | Path) -> None:
+    """ConfigError unless `output`'s nearest existing ancestor is a directory (a missing
+    parent is made later, as mkdir -p does; a file in the way cannot be)."""
+    above = next(p for p in Path(output).absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"output {output}: {above} is not a directory")
+
+
 def check_replaceable(output: str | Path, owned: re.Pattern) -> Path:
     """The absolute, normalised path of a directory that may be (re)written: absent, empty, or
     marked and holding only `owned` names; ConfigError naming it otherwise. `a/b/..` is `a`."""
@@ -58,9 +66,7 @@ def check_replaceable(output: str | Path, owned: re.Pattern) -> Path:
     if out == Path(os.getcwd()) or Path(os.getcwd()).is_relative_to(out):
         raise ConfigError(f"output {output}: is the current directory or holds it; not "
                           f"overwritten (choose a new directory)")
-    above = next(p for p in out.parents if p.exists())
-    if not above.is_dir():
-        raise ConfigError(f"output {output}: {above} is not a directory")
+    check_parent(out)
     names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     foreign = [n for n in names if not owned.fullmatch(n)] if MARKER in names else names
     if foreign:
@@ -77,9 +83,7 @@ def check_file(output: str | Path, owned: Callable[[Path], bool]) -> Path:
     if out.exists() and not (out.is_file() and owned(out)):
         raise ConfigError(f"output {output}: exists and was not written by this command; not "
                           f"overwritten (choose another name)")
-    above = next(p for p in out.absolute().parents if p.exists())
-    if not above.is_dir():
-        raise ConfigError(f"output {output}: {above} is not a directory")
+    check_parent(out)
     return out
 
 

@@ -39,7 +39,7 @@ import torch
 from . import distributed as D
 from .data import shard
 from .fields import ConfigError
-from .outputs import LineFile, write_file
+from .outputs import LineFile, check_parent, write_file
 from .rollout import sample, score
 from .sft import stage_changes
 
@@ -120,9 +120,7 @@ def claim(run: Run, output: Path, source: dict, replace_stale: bool) -> None:
     run's own directory) our files there removed. Then the sidecar, by rank 0."""
     if output.exists() and not output.is_file():
         raise ConfigError(f"--output {output}: is a directory, not a file for rows")
-    above = next(p for p in output.absolute().parents if p.exists())
-    if not above.is_dir():
-        raise ConfigError(f"--output {output}: {above} is not a directory")
+    check_parent(output)
     reason = stale_reason(output, run.cfg, source)  # every rank sees the same files
     D.barrier()
     if reason and not replace_stale:
