@@ -81,7 +81,7 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     )
 
     world = dist.get_world_size()
-    shard_size = shard_size or world  # it divides world: run.check_world says so first
+    shard_size = shard_size or world  # it divides world: limits.check_world says so first
     mesh = init_device_mesh(device.type, (world,)) if shard_size == world else \
         init_device_mesh(device.type, (world // shard_size, shard_size),
                          mesh_dim_names=("replicate", "shard"))

@@ -37,9 +37,10 @@ from .checkpoint import (
 from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
+from .limits import check_lengths, check_step_memory, check_world
 from .logger import RunLogger
 from .lora import adapter_keys, apply_lora, is_lora, load_adapter, store_base_in
-from .models import CausalLM, GPTConfig, build, check_batch_memory, check_size, model_config, spec
+from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
 from .models.gguf import load_gguf
 from .models.hf import load_hf_model
 from .precision import (
@@ -220,30 +221,6 @@ def _fsdp_dtype(precision: Precision) -> torch.dtype | None:
     return torch.bfloat16 if precision.dtype == torch.bfloat16 else None
 
 
-def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
-    """Combinations that would only fail deep inside the run, refused at the start."""
-    if cfg.fsdp_shard_size and dist.world_size % cfg.fsdp_shard_size:
-        raise ConfigError(f"fsdp_shard_size: {cfg.fsdp_shard_size} does not divide the "
-                          f"{dist.world_size} processes")
-    for key in ("prompts_per_step", "sft_batch_size"):
-        if getattr(cfg, key) < dist.world_size:
-            raise ConfigError(f"{key}: {getattr(cfg, key)} is smaller than the number of "
-                              f"processes ({dist.world_size}): every rank needs at least one")
-
-
-def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> int:
-    """Every prompt (as the model sees it: BOS or chat template) plus max_new_tokens must fit
-    in block_size; fail before work. Returns the longest prompt's tokens."""
-    try:
-        longest = max(len(tok.encode_prompt(p)) for p in prompts)
-    except ValueError as e:  # messages without a chat template
-        raise ConfigError(str(e)) from None
-    if longest + cfg.max_new_tokens > cfg.block_size:
-        raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
-                          f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
-    return longest
-
-
 def gpt_spec(cfg: GRPOConfig, vocab_size: int) -> dict:
     """Our GPT from the config's model fields (from-scratch runs, checkpoints without a spec)."""
     return {"family": "gpt", "config": asdict(GPTConfig(
@@ -323,21 +300,6 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
         load_weights(adapters, model)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     return model, tok
-
-
-def check_step_memory(cfg: GRPOConfig, model_cfg, world_size: int, tokens: int) -> None:
-    """The rows a rank samples together (a GRPO step's, an RFT batch's) against this machine's
-    memory, before any work: ConfigError naming the fields that set them."""
-    per_rank = -(-cfg.prompts_per_step // world_size) * cfg.group_size
-    batches = [(per_rank, "prompts_per_step/group_size")]
-    if cfg.mode in ("rft", "rft_grpo"):
-        batches.append((cfg.rft_prompts_per_batch * cfg.rft_oversample,
-                        "rft_prompts_per_batch/rft_oversample"))
-    for rows, what in batches:
-        try:
-            check_batch_memory(model_cfg, rows, tokens, what)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 def weights_from_rank0(cfg: GRPOConfig, checkpoint: dict | None) -> bool:

@@ -170,7 +170,7 @@ def test_evaluate_a_hugging_face_directory(lm):
 def test_messages_rows_render_through_the_chat_template_as_transformers_renders_them(
         lm, tmp_path):
     from mini_grpo.config import ConfigError, load_config
-    from mini_grpo.run import check_lengths
+    from mini_grpo.limits import check_lengths
     from mini_grpo.tasks import build_task
 
     convs = [[{"role": "system", "content": "Answer in FEN."},

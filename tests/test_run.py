@@ -12,7 +12,8 @@ from mini_grpo import distributed as D
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from mini_grpo.config import ConfigError
 from mini_grpo.job import train
-from mini_grpo.run import check_world, setup
+from mini_grpo.limits import check_world
+from mini_grpo.run import setup
 
 
 def one_line_exit_2(r):

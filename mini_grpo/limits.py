@@ -1,0 +1,53 @@
+"""What a run's sizes must fit, refused with one line before any work starts: the processes
+(batches split over ranks, fsdp's shard groups), the prompts (block_size) and one step's rows
+(this machine's memory). run.setup calls them in that order, as soon as each is known."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import distributed as D
+from .config import ConfigError, GRPOConfig
+from .models import check_batch_memory
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
+
+def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
+    """Combinations that would only fail deep inside the run, refused at the start."""
+    if cfg.fsdp_shard_size and dist.world_size % cfg.fsdp_shard_size:
+        raise ConfigError(f"fsdp_shard_size: {cfg.fsdp_shard_size} does not divide the "
+                          f"{dist.world_size} processes")
+    for key in ("prompts_per_step", "sft_batch_size"):
+        if getattr(cfg, key) < dist.world_size:
+            raise ConfigError(f"{key}: {getattr(cfg, key)} is smaller than the number of "
+                              f"processes ({dist.world_size}): every rank needs at least one")
+
+
+def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> int:
+    """Every prompt (as the model sees it: BOS or chat template) plus max_new_tokens must fit
+    in block_size; fail before work. Returns the longest prompt's tokens."""
+    try:
+        longest = max(len(tok.encode_prompt(p)) for p in prompts)
+    except ValueError as e:  # messages without a chat template
+        raise ConfigError(str(e)) from None
+    if longest + cfg.max_new_tokens > cfg.block_size:
+        raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
+                          f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
+    return longest
+
+
+def check_step_memory(cfg: GRPOConfig, model_cfg, world_size: int, tokens: int) -> None:
+    """The rows a rank samples together (a GRPO step's, an RFT batch's) against this machine's
+    memory, before any work: ConfigError naming the fields that set them."""
+    per_rank = -(-cfg.prompts_per_step // world_size) * cfg.group_size
+    batches = [(per_rank, "prompts_per_step/group_size")]
+    if cfg.mode in ("rft", "rft_grpo"):
+        batches.append((cfg.rft_prompts_per_batch * cfg.rft_oversample,
+                        "rft_prompts_per_batch/rft_oversample"))
+    for rows, what in batches:
+        try:
+            check_batch_memory(model_cfg, rows, tokens, what)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
