@@ -60,7 +60,7 @@ def _guarded(fn) -> int:
 
 def train_main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
-        from .config import help_text
+        from .config_help import help_text
 
         print(help_text(), end="")
         return 0

@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import sys
 import typing
 from dataclasses import dataclass
@@ -230,12 +229,10 @@ class GRPOConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:  # torch's generators take 64 bits; seeds are mixed
             raise ConfigError(f"seed: must be in 0..{2**32 - 1}, got {self.seed}")
-        if self.num_eval > MAX_GENERATED:
-            raise ConfigError(f"num_eval: must be <= {MAX_GENERATED:,}, got {self.num_eval}")
-        # rows generated and trained on per step: bounded as num_eval is (run.check_step_memory
-        # then weighs them against this machine's memory, once the model is known)
-        for name in ("group_size", "prompts_per_step", "micro_batch_size", "sft_batch_size",
-                     "rft_oversample", "rft_prompts_per_batch"):
+        # rows generated: held out, and per step (limits.check_step_memory then weighs a step's
+        # against this machine's memory, once the model is known)
+        for name in ("num_eval", "group_size", "prompts_per_step", "micro_batch_size",
+                     "sft_batch_size", "rft_oversample", "rft_prompts_per_batch"):
             if getattr(self, name) > MAX_GENERATED:
                 raise ConfigError(f"{name}: must be <= {MAX_GENERATED:,}, got "
                                   f"{getattr(self, name):,}")
@@ -302,43 +299,6 @@ class GRPOConfig:
         from .outputs import write_file
 
         write_file(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-def help_text() -> str:
-    """Every option, grouped by the sections of GRPOConfig, with its type, default and help
-    (the comments beside and above its field: written once, where the field is)."""
-    import inspect
-    import textwrap
-
-    field_re = re.compile(r"^    (\w+): (.+?) = (.+?)(?:\s+#\s*(.*))?$")
-    out = ["usage: python distributed_train.py --config NAME_OR_PATH [--key=value ...]",
-           "       mini-grpo train --config NAME_OR_PATH [--key=value ...] [--print-config]",
-           "",
-           *textwrap.wrap("--config names a file in configs/ (default, tiny, smollm2_numeric, "
-                          "...) or a path; any option below overrides it as --key=value (lists "
-                          "and dicts as YAML). Environment switches: " + ", ".join(
-                              f"{k} ({v})" for k, v in ENV_VARS.items()) + ".", 100)]
-    above: list[str] = []
-    for line in inspect.getsource(GRPOConfig).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# ----"):
-            out += ["", stripped.strip("# -").strip() + ":"]
-            above = []
-        elif stripped.startswith("#"):
-            above.append(stripped.lstrip("# "))
-        elif (m := field_re.match(line)) and m.group(1) in _FIELDS:
-            name, kind, default, inline = m.groups()
-            default = default.replace("dataclasses.field(default_factory=dict)", "{}")
-            text = inline or " ".join(above)
-            out.append(f"  --{name} ({kind}, default {default})")
-            out += textwrap.wrap(text, 96, initial_indent="      ",
-                                 subsequent_indent="      ") if text else []
-            above = []
-        elif not stripped or stripped.startswith(("def ", '"""', "@")):
-            above = []
-            if stripped.startswith("def "):
-                break
-    return "\n".join(out) + "\n"
 
 
 # Environment variables that switch features; README's table says the same (tests/test_config.py).
