@@ -288,16 +288,6 @@ def _compared(value: Any) -> Any:
     return value
 
 
-def _bounded_test(f):
-    @wraps(f)
-    def bounded(*args, **kwargs):
-        for v in (*args, *kwargs.values()):
-            _compared(v)
-        return f(*args, **kwargs)
-
-    return bounded
-
-
 def _bounded_filter(name: str, f):
     @wraps(f)  # keeps jinja's pass_context / pass_environment marks
     def bounded(*args, **kwargs):
@@ -361,6 +351,9 @@ def _environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
+    def compared(expr):
+        return nodes.Filter(expr, "_compared", [], [], None, None, lineno=expr.lineno)
+
     class _Bounds(NodeTransformer):
         """Rewrites a parsed template: every loop ticks, `~` is estimated before it runs,
         slices are counted, literal text is counted as it is written (through `finalize`)."""
@@ -386,11 +379,15 @@ def _environment():
 
         def visit_Compare(self, node):  # ==, <, in ...: each side walked at most MAX_CHARS
             self.generic_visit(node)
-            wrap = lambda e: nodes.Filter(e, "_compared", [], [], None, None,
-                                          lineno=node.lineno)
-            node.expr = wrap(node.expr)
+            node.expr = compared(node.expr)
             for operand in node.ops:
-                operand.expr = wrap(operand.expr)
+                operand.expr = compared(operand.expr)
+            return node
+
+        def visit_Test(self, node):  # `a is eq b`, `a is in b`: the same, as tests
+            self.generic_visit(node)
+            if node.name in _COMPARING_TESTS:
+                node.node, node.args = compared(node.node), [compared(a) for a in node.args]
             return node
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -448,8 +445,6 @@ def _environment():
     env.filters["_concat"] = _concat
     env.filters["_sliced"] = lambda value: _result(value, "a slice")
     env.filters["_compared"] = pass_context(lambda context, value: _compared(value))
-    env.tests = {name: _bounded_test(t) if name in _COMPARING_TESTS else t
-                 for name, t in env.tests.items()}
     del env.globals["lipsum"]
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
