@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -58,19 +57,12 @@ def first_prompts(examples: list, n: int) -> list:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """Whole rows of a JSONL file; a last line cut short by a kill is dropped (and cut off)."""
+    """Whole rows of a JSONL file; a last line cut short by a kill is skipped (LineFile cuts it
+    off before anything is appended after it)."""
     if not path.is_file():
         return []
-    rows, good_bytes = [], 0
     with open(path, "rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break
-            rows.append(json.loads(raw))
-            good_bytes += len(raw)
-    if good_bytes != path.stat().st_size:
-        os.truncate(path, good_bytes)  # appending after a partial line would corrupt both
-    return rows
+        return [json.loads(raw) for raw in f if raw.endswith(b"\n")]
 
 
 def _prompt(row: dict) -> str:
