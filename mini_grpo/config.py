@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 
 from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
+from .options import check_ranges, env_vars, opt
 from .task_registry import MAX_GENERATED, resolve_task_args
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -38,204 +39,218 @@ TRACKERS = ("tensorboard", "wandb")  # report_to: where metrics go beside metric
 
 @dataclass
 class GRPOConfig:
+    # Each field: opt(default, roles, range check, env=its environment variable). Roles
+    # (options.ROLES): sft / rft_data / rft shape those stages (a saved one made with another
+    # value is not reused), resume / resume_lora are fixed on resume, loss is a LossSettings
+    # field, grpo shapes GRPO's updates, run says how and where the job runs.
+
     # ---- run ----
-    out_dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, tb/, checkpoints/
-    seed: int = 1337
-    device: str = "auto"  # auto = cuda if available, else cpu
-    resume: str = "auto"  # auto | never | path to a checkpoint
+    # run directory: config.yaml, metrics.jsonl, tb/, checkpoints/
+    out_dir: str = opt("runs/default", "run", env="OUT_DIR")
+    seed: int = opt(1337, "sft", f"0..{2**32 - 1}", env="SEED")  # every random draw derives from it
+    device: str = opt("auto", "run")  # auto = cuda if available, else cpu
+    resume: str = opt("auto", "run")  # auto | never | path to a checkpoint
     # which stages the train job runs; rft = SFT, then RFT data from it, then SFT on that data;
     # rft_grpo = RFT from init_from's model (data, then SFT on it), then GRPO
-    mode: Literal["sft_grpo", "sft", "grpo", "rft", "rft_grpo"] = "sft_grpo"
+    mode: Literal["sft_grpo", "sft", "grpo", "rft", "rft_grpo"] = opt("sft_grpo", "run")
     # weights (and tokenizer) that start the run, before SFT: one of our checkpoints, or a local
     # Hugging Face model directory (config.json + safetensors + tokenizer files)
-    init_from: str = ""
+    init_from: str = opt("", "sft resume_lora")
 
     # ---- task and data ----
-    task: str = "chess_fen"
+    task: str = opt("chess_fen", "sft resume")
     # the task's own options, validated by the task (`--task_args.max_plies=8` on the command
     # line; `--task_args='{}'` clears a preset's); chess_fen: num_train, min_plies, max_plies,
     # move_format, pgn_path (tasks/). Options set for another task than the final one are
     # dropped with a note.
-    task_args: dict = dataclasses.field(default_factory=dict)
-    data_path: str = ""  # JSONL of {"prompt", "target"} rows; replaces the task's own data
-    num_eval: int = 512  # held-out prompts, never seen in training (at most 10 million)
-    rewards: list | None = None  # [{name: ..., weight: ...}]; None = the task's defaults
+    task_args: dict = opt({}, "sft resume")
+    # JSONL of {"prompt", "target"} rows; replaces the task's own data
+    data_path: str = opt("", "sft resume")
+    # held-out prompts, never seen in training
+    num_eval: int = opt(512, "sft", "> 0", at_most=MAX_GENERATED)
+    # [{name: ..., weight: ...}]; None = the task's defaults
+    rewards: list | None = opt(None, "rft_data grpo")
 
     # ---- reward scoring ----
     # serial: in the trainer's thread; thread: a pool of threads (for plugins that wait on
     # I/O); process: worker processes (python-chess holds the GIL, so only processes scale it)
-    reward_executor: Literal["serial", "thread", "process"] = "process"
-    num_reward_workers: int = 2
-    reward_on_error: float = 0.0  # reward given to rows whose plugin failed
-    reward_timeout: float = 30.0  # seconds per plugin call before it counts as failed
-    reward_max_fail_frac: float = 0.5  # stop the run when more rows of one plugin fail
+    reward_executor: Literal["serial", "thread", "process"] = opt("process", "run",
+                                                                  env="REWARD_EXECUTOR")
+    num_reward_workers: int = opt(2, "run", "> 0", env="NUM_WORKERS")
+    reward_on_error: float = opt(0.0, "grpo")  # reward given to rows whose plugin failed
+    # seconds per plugin call before it counts as failed
+    reward_timeout: float = opt(30.0, "grpo", "> 0")
+    # stop the run when more rows of one plugin fail
+    reward_max_fail_frac: float = opt(0.5, "run", "[0, 1]")
     # async plugins: rows of `per_sample` ones in flight at once (requests to a verifier)
-    reward_concurrency: int = 16
+    reward_concurrency: int = opt(16, "run", "> 0")
 
     # ---- model ----
     # our GPT's shape, for runs from scratch (init_from names its own model)
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 256
-    block_size: int = 192  # longest prompt + completion, in tokens (+ bos/eos)
+    n_layer: int = opt(4, "sft resume", "> 0")
+    n_head: int = opt(4, "sft resume", "> 0")
+    n_embd: int = opt(256, "sft resume", "> 0")
+    # longest prompt + completion, in tokens (+ bos/eos)
+    block_size: int = opt(192, "sft resume", "> 0")
     # prompts through the tokenizer's chat template as a user message (a Hugging Face
     # tokenizer's; auto = when it has one), after an optional system message
-    chat_template: Literal["auto", "on", "off"] = "auto"
-    system_prompt: str = ""
-    dropout: float = 0.0
-    gradient_checkpointing: bool = False
+    chat_template: Literal["auto", "on", "off"] = opt("auto", "sft resume")
+    system_prompt: str = opt("", "sft resume")
+    dropout: float = opt(0.0, "sft", "[0, 1)")
+    gradient_checkpointing: bool = opt(False, "run", env="GRADIENT_CHECKPOINTING")
     # auto = manual under bf16 autocast on CPU (SDPA's bf16 backward ran 2-3x slower there),
     # else sdpa. Measured on the default model, SFT tokens/s on 2 cores: fp32 sdpa 8.3k,
     # fp32 manual 8.1k, bf16 sdpa 16.1k, bf16 manual 19.5k.
-    attn_impl: Literal["auto", "sdpa", "manual"] = "auto"
+    attn_impl: Literal["auto", "sdpa", "manual"] = opt("auto", "run")
 
     # ---- LoRA (lora.py; docs/guide.md "LoRA") ----
-    lora_r: int = 0  # adapters of this rank on init_from's frozen base; 0 = full fine-tuning
-    lora_alpha: float = 32.0  # the update is scaled by lora_alpha / lora_r
-    lora_dropout: float = 0.0
+    # adapters of this rank on init_from's frozen base; 0 = full fine-tuning
+    lora_r: int = opt(0, "sft resume", ">= 0", env="LORA_R")
+    # the update is scaled by lora_alpha / lora_r
+    lora_alpha: float = opt(32.0, "sft resume", "> 0")
+    lora_dropout: float = opt(0.0, "sft", "[0, 1)")
     # by the last part of a module's name; null = every linear layer of attention and MLP
-    lora_target_modules: list | None = None
-    adapter: str = ""  # a PEFT adapter directory to continue from (on init_from's base)
+    lora_target_modules: list | None = opt(None, "sft resume")
+    # a PEFT adapter directory to continue from (on init_from's base)
+    adapter: str = opt("", "sft resume_lora")
 
     # ---- sampling ----
-    max_new_tokens: int = 80  # a FEN after 12 plies is at most ~75 characters
-    kv_cache: bool = True  # false = recompute the whole sequence per token (the slow baseline)
+    # a FEN after 12 plies is at most ~75 characters
+    max_new_tokens: int = opt(80, "rft_data loss", "> 0")
+    # false = recompute the whole sequence per token (the slow baseline)
+    kv_cache: bool = opt(True, "run")
     # rollouts at 0.7: on the default job GRPO then raised the greedy held-out reward by
     # +0.052 (0.673 -> 0.725) in 120 steps, against +0.030 at temperature 1.0
-    temperature: float = 0.7
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
+    temperature: float = opt(0.7, "rft_data grpo", "> 0")
+    top_k: int = opt(0, "rft_data grpo", ">= 0")  # 0 = off
+    top_p: float = opt(1.0, "rft_data grpo", "(0, 1]")  # 1.0 = off
 
     # ---- rollout engine (mini_grpo/engines; docs/guide.md "Rollouts with vLLM") ----
     # native: our KV-cached sampler; vllm: vLLM (`make setup VLLM=1`, Hugging Face models)
-    rollout_engine: Literal["native", "vllm"] = "native"
+    rollout_engine: Literal["native", "vllm"] = opt("native", "run", env="ROLLOUT_ENGINE")
     # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    vllm_server_url: str = "http://127.0.0.1:8000"
-    vllm_server_timeout: float = 600.0  # seconds for one request or weight push
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPUs
-    vllm_gpu_memory_utilization: float = 0.3  # on a GPU: its share for the engine
-    vllm_tensor_parallel_size: int = 1  # colocate: consecutive ranks sharing one engine
-    vllm_sleep: bool = False  # colocate on GPUs: free the engine's memory between rollouts
-    vllm_kv_cache_gib: float = 0.0  # 0: from the GPU share; on a CPU, one step's rows
+    vllm_mode: Literal["colocate", "server"] = opt("colocate", "run")
+    vllm_server_url: str = opt("http://127.0.0.1:8000", "run")
+    # seconds for one request or weight push
+    vllm_server_timeout: float = opt(600.0, "run", "> 0")
+    # auto: bf16 on GPUs
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
+    # on a GPU: its share for the engine
+    vllm_gpu_memory_utilization: float = opt(0.3, "run", "(0, 1]")
+    # colocate: consecutive ranks sharing one engine
+    vllm_tensor_parallel_size: int = opt(1, "run", "> 0")
+    # colocate on GPUs: free the engine's memory between rollouts
+    vllm_sleep: bool = opt(False, "run")
+    # 0: from the GPU share; on a CPU, one step's rows
+    vllm_kv_cache_gib: float = opt(0.0, "run", ">= 0")
     # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
     # token's policy-gradient term (TRL and verl use about 2); 0 = off
-    vllm_is_cap: float = 2.0
+    vllm_is_cap: float = opt(2.0, "loss", ">= 0")
 
     # ---- GRPO ----
-    max_steps: int = 150  # ~1.4 s per step on 2 CPU cores with the default model
-    prompts_per_step: int = 16  # global batch of prompts; each gets group_size completions
-    group_size: int = 8  # G completions per prompt
-    micro_batch_size: int = 32  # rows per forward/backward, in whole groups (at least one)
-    num_iterations: int = 1  # policy passes per rollout
-    lr: float = 3e-5  # 1e-4 drove KL to ~0.2 and left the greedy reward flat
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    grad_clip: float = 1.0
-    beta: float = 0.04  # KL weight; 0 skips the reference model
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28  # DAPO clip-higher
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_agg: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    # ~1.4 s per step on 2 CPU cores with the default model
+    max_steps: int = opt(150, "grpo", "> 0", env="MAX_STEPS")
+    # global batch of prompts; each gets group_size completions
+    prompts_per_step: int = opt(16, "grpo", "> 0", at_most=MAX_GENERATED)
+    # G completions per prompt (at least 2: advantages compare within a group)
+    group_size: int = opt(8, "grpo resume", at_most=MAX_GENERATED)
+    # rows per forward/backward, in whole groups (at least one)
+    micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
+    num_iterations: int = opt(1, "grpo", "> 0")  # policy passes per rollout
+    # 1e-4 drove KL to ~0.2 and left the greedy reward flat
+    lr: float = opt(3e-5, "grpo", ">= 0")
+    weight_decay: float = opt(0.0, "sft grpo", ">= 0")
+    warmup_steps: int = opt(10, "sft grpo", ">= 0")
+    grad_clip: float = opt(1.0, "sft grpo", ">= 0")
+    beta: float = opt(0.04, "loss", ">= 0")  # KL weight; 0 skips the reference model
+    epsilon_low: float = opt(0.2, "loss", ">= 0")
+    epsilon_high: float = opt(0.28, "loss", ">= 0")  # DAPO clip-higher
+    scale_rewards: Literal["group", "batch", "none"] = opt("group", "grpo")
+    loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
+    # drop groups whose rewards are all equal
+    dynamic_sampling: bool = opt(False, "grpo")
     # rows that hit max_new_tokens without EOS carry no loss (DAPO); see overlong_penalty
-    mask_truncated: bool = False
+    mask_truncated: bool = opt(False, "grpo")
 
     # ---- SFT warm start ----
     # the task is compute-bound: 1000 steps (5.7 min at ~24k tok/s under bf16) reached 18%
     # exact and 69% valid greedy FENs on held-out games
-    sft_steps: int = 1200
-    sft_batch_size: int = 64
-    sft_lr: float = 1e-3
+    sft_steps: int = opt(1200, "sft", ">= 0")
+    sft_batch_size: int = opt(64, "sft", "> 0", at_most=MAX_GENERATED)
+    sft_lr: float = opt(1e-3, "sft", ">= 0")
 
     # ---- rejection-sampling fine-tuning (mode: rft) ----
-    rft_oversample: int = 16  # completions sampled per prompt
+    # completions sampled per prompt
+    rft_oversample: int = opt(16, "rft_data", "> 0", at_most=MAX_GENERATED)
     # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
     # the 2-core CPU (docs/guide.md's RFT table); GPUs want far larger passes
-    rft_prompts_per_batch: int = 8
-    rft_min_reward: float = 0.9  # keep a completion only at or above this reward
-    rft_keep: Literal["best", "all"] = "best"  # per prompt: the best one, or every distinct one
-    rft_num_prompts: int = 2048  # distinct training prompts to generate for (0 = the split)
-    rft_sft_steps: int = 300  # SFT steps on the accepted completions
-    rft_lr: float = 3e-4
+    rft_prompts_per_batch: int = opt(8, "run", "> 0", at_most=MAX_GENERATED)
+    # keep a completion only at or above this reward
+    rft_min_reward: float = opt(0.9, "rft_data")
+    # per prompt: the best one, or every distinct one
+    rft_keep: Literal["best", "all"] = opt("best", "rft_data")
+    # distinct training prompts to generate for (0 = the split)
+    rft_num_prompts: int = opt(2048, "rft_data", ">= 0")
+    rft_sft_steps: int = opt(300, "rft", ">= 0")  # SFT steps on the accepted completions
+    rft_lr: float = opt(3e-4, "rft", ">= 0")
 
     # ---- evaluation, logging, checkpoints ----
-    eval_every: int = 50
-    log_every: int = 1
+    eval_every: int = opt(50, "run", "> 0")
+    log_every: int = opt(1, "run", "> 0")
     # metrics.jsonl always; plus any of tensorboard, wandb (pip install -e .[wandb])
-    report_to: list = dataclasses.field(default_factory=lambda: ["tensorboard"])
-    save_every: int = 50
-    keep_checkpoints: int = 3
+    report_to: list = opt(["tensorboard"], "run")
+    save_every: int = opt(50, "run", "> 0")
+    keep_checkpoints: int = opt(3, "run", "> 0")
     # the run's end writes <out_dir>/hf/, a Hugging Face directory (transformers, vLLM), in
     # this dtype; auto = the dtype init_from's config.json names, else float32
-    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
 
     # ---- parallelism (under torchrun) ----
     # ddp: every rank a full copy of weights, gradients and AdamW state; fsdp: each rank 1/N
     # of them (FSDP2), for models that do not fit one device (mini_grpo/fsdp.py)
-    parallelism: Literal["ddp", "fsdp"] = "ddp"
-    fsdp_cpu_offload: bool = False  # fsdp: shards, gradients and optimizer step in CPU memory
+    parallelism: Literal["ddp", "fsdp"] = opt("ddp", "run", env="PARALLELISM")
+    # fsdp: shards, gradients and optimizer step in CPU memory
+    fsdp_cpu_offload: bool = opt(False, "run")
     # fsdp: ranks one copy of the model is sharded over (HSDP: shard within a node, replicate
     # across nodes, e.g. 8); 0 = all of them
-    fsdp_shard_size: int = 0
+    fsdp_shard_size: int = opt(0, "run", ">= 0")
 
     # ---- precision and speed ----
     # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
     # with bf16 units, whichever of bf16 and fp32 a probe at start (dtype_probe.py, cached)
     # runs faster: bf16 doubled SFT tokens/s on a Xeon with AMX (8.3k -> 16-19k), while on an
     # AMD Zen4 (AVX-512 BF16, no AMX) the same job ran 2.3x slower in all
-    use_amp: bool = True
-    amp_dtype: Literal["bfloat16", "float16", "auto"] = "auto"
+    use_amp: bool = opt(True, "sft", env="USE_AMP")
+    amp_dtype: Literal["bfloat16", "float16", "auto"] = opt("auto", "sft", env="AMP_DTYPE")
     # autocast while sampling; auto = follow use_amp, and on a CPU the probe's faster of the
     # two (Zen4 sampled 1.5x slower in bf16, 1.31 vs 0.85 s per step; AMX faster)
-    generation_amp: Literal["auto", "on", "off"] = "auto"
-    use_tf32: bool = True  # TF32 matmuls on Ampere+; no-op elsewhere
+    generation_amp: Literal["auto", "on", "off"] = opt("auto", "run")
+    # TF32 matmuls on Ampere+; no-op elsewhere
+    use_tf32: bool = opt(True, "run", env="USE_TF32")
     # ~30 s cold start; on the 2-core CPU the compiled policy update ran 2.5x slower than
     # eager (1.52 vs 0.61 s, after 4 warm-up steps): meant for GPUs
-    compile_model: bool = False
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
-    fused_optimizer: bool = True  # fused AdamW kernel; false = the per-parameter loop
+    compile_model: bool = opt(False, "run", env="COMPILE_MODEL")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = opt(
+        "default", "run", env="COMPILE_MODE")
+    # fused AdamW kernel; false = the per-parameter loop
+    fused_optimizer: bool = opt(True, "run", env="FUSED_OPTIMIZER")
     # keep the reference model's weights on CPU (under fsdp: instead of sharding them)
-    offload_reference: bool = False
-    num_threads: int = 0  # torch intra-op threads per process; 0 = cores / local ranks
+    offload_reference: bool = opt(False, "run", env="OFFLOAD_REFERENCE")
+    # torch intra-op threads per process; 0 = cores / local ranks
+    num_threads: int = opt(0, "run", ">= 0", env="NUM_THREADS")
     # CPU runs (glibc): keep freed memory for reuse instead of handing big tensors back to the
     # OS, whose page faults on every fresh buffer cost 1.4x on the production model's policy
     # update (precision.keep_freed_memory); the price is a process that never shrinks
-    cpu_malloc_cache: bool = True
+    cpu_malloc_cache: bool = opt(True, "run", env="CPU_MALLOC_CACHE")
     # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
-    guard_patience: int = 3
+    guard_patience: int = opt(3, "run", "> 0")
     # a collective that waits longer than this (a dead or stuck rank) fails the job
-    dist_timeout: float = 600.0
+    dist_timeout: float = opt(600.0, "run", "> 0")
 
     def validate(self) -> None:
         """Range checks types cannot express (values are typed and finite: fields.coerce);
         each error opens with the field's name (load_config adds where it was set)."""
-        positive = ["num_eval", "n_layer", "n_head", "n_embd", "block_size",
-                    "max_new_tokens", "max_steps", "prompts_per_step", "micro_batch_size",
-                    "num_iterations", "sft_batch_size", "eval_every", "log_every",
-                    "save_every", "keep_checkpoints", "num_reward_workers", "reward_timeout",
-                    "reward_concurrency", "vllm_server_timeout", "vllm_tensor_parallel_size",
-                    "dist_timeout", "guard_patience", "rft_oversample",
-                    "rft_prompts_per_batch", "temperature", "lora_alpha"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        non_negative = ["lr", "sft_lr", "weight_decay", "warmup_steps", "grad_clip", "beta",
-                        "epsilon_low", "epsilon_high", "top_k", "sft_steps", "num_threads",
-                        "rft_num_prompts", "rft_sft_steps", "rft_lr", "fsdp_shard_size",
-                        "vllm_kv_cache_gib", "vllm_is_cap", "lora_r"]
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.seed < 2**32:  # torch's generators take 64 bits; seeds are mixed
-            raise ConfigError(f"seed: must be in 0..{2**32 - 1}, got {self.seed}")
-        # rows generated: held out, and per step (limits.check_step_memory then weighs a step's
-        # against this machine's memory, once the model is known)
-        for name in ("num_eval", "group_size", "prompts_per_step", "micro_batch_size",
-                     "sft_batch_size", "rft_oversample", "rft_prompts_per_batch"):
-            if getattr(self, name) > MAX_GENERATED:
-                raise ConfigError(f"{name}: must be <= {MAX_GENERATED:,}, got "
-                                  f"{getattr(self, name):,}")
+        check_ranges(self)  # each field's declared range (opt)
         rows = self.prompts_per_step * self.group_size
         if rows > MAX_GENERATED:
             raise ConfigError(f"prompts_per_step: {self.prompts_per_step:,} prompts x group_size "
@@ -244,15 +259,6 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")
-        # fields bounded to an interval: "(" / ")" open ends, "[" / "]" closed ones
-        intervals = {"top_p": "(0, 1]", "vllm_gpu_memory_utilization": "(0, 1]",
-                     "dropout": "[0, 1)", "reward_max_fail_frac": "[0, 1]",
-                     "lora_dropout": "[0, 1)"}
-        for name, span in intervals.items():
-            v = getattr(self, name)
-            if not ((0 < v if span[0] == "(" else 0 <= v) and
-                    (v < 1 if span[-1] == ")" else v <= 1)):
-                raise ConfigError(f"{name}: must be in {span}, got {v}")
         if not self.vllm_server_url.startswith(("http://", "https://")):
             raise ConfigError(f"vllm_server_url: must be an http:// or https:// URL, got "
                               f"{self.vllm_server_url!r}")
@@ -301,18 +307,10 @@ class GRPOConfig:
         write_file(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-# Environment variables that switch features; README's table says the same (tests/test_config.py).
-ENV_VARS: dict[str, str] = {
-    "USE_AMP": "use_amp", "AMP_DTYPE": "amp_dtype", "USE_TF32": "use_tf32",
-    "COMPILE_MODEL": "compile_model", "COMPILE_MODE": "compile_mode",
-    "GRADIENT_CHECKPOINTING": "gradient_checkpointing", "OFFLOAD_REFERENCE": "offload_reference",
-    "FUSED_OPTIMIZER": "fused_optimizer", "REWARD_EXECUTOR": "reward_executor",
-    "PARALLEL_REWARDS": "parallel_rewards",  # legacy switch: false = reward_executor serial
-    "NUM_WORKERS": "num_reward_workers", "NUM_THREADS": "num_threads",
-    "CPU_MALLOC_CACHE": "cpu_malloc_cache", "OUT_DIR": "out_dir", "SEED": "seed",
-    "MAX_STEPS": "max_steps", "PARALLELISM": "parallelism", "ROLLOUT_ENGINE": "rollout_engine",
-    "LORA_R": "lora_r",
-}
+# Environment variables that switch features, from the fields' declarations; README's table
+# is generated from the same (config_help.env_table, tests/test_config.py).
+LEGACY_ENV = {"PARALLEL_REWARDS": "parallel_rewards"}  # false = reward_executor serial
+ENV_VARS: dict[str, str] = {**env_vars(GRPOConfig), **LEGACY_ENV}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
 _TYPES = typing.get_type_hints(GRPOConfig)

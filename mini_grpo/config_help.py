@@ -1,48 +1,109 @@
-"""`distributed_train.py --help` / `mini-grpo train --help`: every option of GRPOConfig, read
-from its declaration (the field, its default and the comment beside or above it), grouped by
-the dataclass's `# ---- section ----` lines, so the help cannot drift from the fields."""
+"""`distributed_train.py --help` / `mini-grpo train --help` and README's table of environment
+variables, both generated from GRPOConfig's declarations: each field's type, default, range,
+roles and variable (options.opt), with the comment beside or above it as its help, grouped by
+the dataclass's `# ---- section ----` lines, so neither can drift from the fields.
+
+    python -m mini_grpo.config_help --env-table    # README's table, as tests compare it
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import re
+import sys
 import textwrap
+import typing
 
-from .config import ENV_VARS, GRPOConfig
+from .config import ENV_VARS, LEGACY_ENV, GRPOConfig
+from .options import default_of
 
-FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
+FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+_TYPES = typing.get_type_hints(GRPOConfig)
+ENV_VARS_OF = {field: f"env {var}" for var, field in ENV_VARS.items() if var not in LEGACY_ENV}
+
+
+def _comments() -> tuple[dict[str, str], dict[str, str]]:
+    """(help, section) of each field: the comment beside its declaration, else the comment
+    lines just above it; the `# ---- name ----` line it comes under."""
+    helps, sections, above, section = {}, {}, [], ""
+    for line in inspect.getsource(GRPOConfig).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# ----"):
+            section, above = stripped.strip("# -").strip(), []
+        elif stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+        elif (m := re.match(r"^    (\w+): ", line)) and m[1] in FIELDS:
+            inline = line.partition("  # ")[2] if ")  # " in line else ""
+            helps[m[1]], sections[m[1]] = inline or " ".join(above), section
+            above = []
+        elif not stripped or stripped.startswith("def "):
+            above = []
+    return helps, sections
+
+
+def _kind(name: str) -> str:
+    tp = _TYPES[name]
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(typing.get_args(tp))
+    return re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(tp)).replace("NoneType", "None")
+
+
+def _default(name: str) -> str:
+    value = default_of(FIELDS[name])
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) \
+        else repr(value) if value == "" else str(value)
+
+
+def _range(name: str) -> str:
+    meta = FIELDS[name].metadata
+    parts = [meta["check"]] if meta["check"] else []
+    if meta["at_most"]:
+        parts.append(f"<= {meta['at_most']:,}")
+    return " and ".join(parts)
 
 
 def help_text() -> str:
-    """Every option, grouped by the sections of GRPOConfig, with its type, default and help
-    (the comments beside and above its field: written once, where the field is)."""
-    field_re = re.compile(r"^    (\w+): (.+?) = (.+?)(?:\s+#\s*(.*))?$")
+    """Every option, grouped by the sections of GRPOConfig, with its type, default, range,
+    environment variable and help."""
+    helps, sections = _comments()
     out = ["usage: python distributed_train.py --config NAME_OR_PATH [--key=value ...]",
            "       mini-grpo train --config NAME_OR_PATH [--key=value ...] [--print-config]",
            "",
            *textwrap.wrap("--config names a file in configs/ (default, tiny, smollm2_numeric, "
                           "...) or a path; any option below overrides it as --key=value (lists "
-                          "and dicts as YAML). Environment switches: " + ", ".join(
-                              f"{k} ({v})" for k, v in ENV_VARS.items()) + ".", 100)]
-    above: list[str] = []
-    for line in inspect.getsource(GRPOConfig).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# ----"):
-            out += ["", stripped.strip("# -").strip() + ":"]
-            above = []
-        elif stripped.startswith("#"):
-            above.append(stripped.lstrip("# "))
-        elif (m := field_re.match(line)) and m.group(1) in FIELDS:
-            name, kind, default, inline = m.groups()
-            default = default.replace("dataclasses.field(default_factory=dict)", "{}")
-            text = inline or " ".join(above)
-            out.append(f"  --{name} ({kind}, default {default})")
-            out += textwrap.wrap(text, 96, initial_indent="      ",
-                                 subsequent_indent="      ") if text else []
-            above = []
-        elif not stripped or stripped.startswith(("def ", '"""', "@")):
-            above = []
-            if stripped.startswith("def "):
-                break
+                          "and dicts as YAML), and environment variables set those that name "
+                          "one (lower precedence than the command line). Legacy: "
+                          + ", ".join(LEGACY_ENV) + " (false = reward_executor serial).", 100)]
+    section = None
+    for name in FIELDS:
+        if sections[name] != section:
+            section = sections[name]
+            out += ["", section + ":"]
+        extra = [x for x in (_range(name), ENV_VARS_OF.get(name, "")) if x]
+        out.append(f"  --{name} ({_kind(name)}, default {_default(name)}"
+                   + "".join(f"; {x}" for x in extra) + ")")
+        out += textwrap.wrap(helps[name], 96, initial_indent="      ",
+                             subsequent_indent="      ")
     return "\n".join(out) + "\n"
+
+
+def env_table() -> str:
+    """README's table of environment variables (markdown), in declaration order."""
+    rows = ["| environment variable | config field | values | default |",
+            "| --- | --- | --- | --- |"]
+    for var, name in ENV_VARS.items():
+        if var in LEGACY_ENV:
+            rows.append(f"| `{var}` | `reward_executor` | false = serial; true = a pool "
+                        f"(process unless thread is set) | |")
+            continue
+        tp = _TYPES[name]
+        values = "true/false (also 1/0, yes/no, on/off)" if tp is bool else \
+            ", ".join(typing.get_args(tp)) if typing.get_origin(tp) is typing.Literal else \
+            " ".join(x for x in (_kind(name), _range(name)) if x)
+        rows.append(f"| `{var}` | `{name}` | {values} | `{_default(name)}` |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(env_table() if sys.argv[1:] == ["--env-table"] else help_text(), end="")

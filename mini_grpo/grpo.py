@@ -6,7 +6,7 @@ Loss variants are parameters, not switches spread through the trainer:
   scale_rewards  group: (r - group mean) / (group std + eps)     (GRPO)
                  batch: (r - group mean) / (batch std + eps)
                  none:  r - group mean                            (Dr. GRPO)
-  agg            grpo:    mean over each sequence's tokens, then over sequences
+  loss_agg       grpo:    mean over each sequence's tokens, then over sequences
                  dapo:    sum over all tokens / number of tokens in the global batch
                  dr_grpo: sum over all tokens / (sequences x max_new_tokens)
 Per token: clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with
@@ -31,22 +31,27 @@ from typing import NamedTuple
 
 import torch
 
+from .options import keys_with
+
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss's knobs, as the config names them (`LossSettings.of(cfg)`)."""
+    """The loss's knobs, named as the config fields whose role is "loss" (`LossSettings.of`)."""
     beta: float = 0.0  # KL weight; 0 needs no reference
-    eps_low: float = 0.2  # clip range of the ratio: [1 - eps_low, 1 + eps_high]
-    eps_high: float = 0.2
-    agg: str = "grpo"  # grpo | dapo | dr_grpo
+    epsilon_low: float = 0.2  # clip range of the ratio: [1 - epsilon_low, 1 + epsilon_high]
+    epsilon_high: float = 0.2
+    loss_agg: str = "grpo"  # grpo | dapo | dr_grpo
     max_new_tokens: int | None = None  # dr_grpo's constant
-    is_cap: float = 0.0  # truncated importance sampling of the engine's samples; 0 = off
+    vllm_is_cap: float = 0.0  # truncated importance sampling of the engine's samples; 0 = off
 
     @classmethod
     def of(cls, cfg) -> LossSettings:
-        cap = cfg.vllm_is_cap if cfg.rollout_engine == "vllm" else 0.0  # native: weight 1
-        return cls(cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.loss_agg, cfg.max_new_tokens,
-                   cap)
+        """The config's loss fields, by their declared role; the importance-sampling cap only
+        where an engine other than the policy itself sampled (native: the weight is 1)."""
+        values = {k: getattr(cfg, k) for k in keys_with(type(cfg), "loss")}
+        if cfg.rollout_engine != "vllm":
+            values["vllm_is_cap"] = 0.0
+        return cls(**values)
 
 
 class LossStats(NamedTuple):
@@ -112,11 +117,11 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, re
 
     logp, old_logp, ref_logp, entropy: (B, T) fp32; adv: (B,); mask: (B, T) completion mask.
     num_seqs / num_tokens: the global batch's sequence and token counts (default: this batch).
-    engine_logp: (B, T) the log-probs the rollout engine sampled with; with `s.is_cap` the
+    engine_logp: (B, T) the log-probs the rollout engine sampled with; with `s.vllm_is_cap` the
     policy-gradient term (not the KL term) of each token is weighted by truncated importance
     sampling (`engine_is_weight`), and the stats say how far the two disagree.
     """
-    beta, eps_low, eps_high, agg = s.beta, s.eps_low, s.eps_high, s.agg
+    beta, eps_low, eps_high, agg = s.beta, s.epsilon_low, s.epsilon_high, s.loss_agg
     keep, m = mask.bool(), mask.float()
     num_seqs = logp.size(0) if num_seqs is None else num_seqs
     num_tokens = m.sum() if num_tokens is None else num_tokens
@@ -127,7 +132,7 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, re
     zero = torch.zeros((), device=logp.device)
     diff = engine_kl = zero
     if engine_logp is not None:
-        weight, diff, engine_kl = engine_is_weight(old_logp, engine_logp, mask, s.is_cap)
+        weight, diff, engine_kl = engine_is_weight(old_logp, engine_logp, mask, s.vllm_is_cap)
         if weight is not None:
             per_token = per_token * weight
     kl = None

@@ -23,10 +23,11 @@ from .checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
-from .config import ConfigError, load_config
+from .config import ConfigError, GRPOConfig, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
 from .lora import is_lora, merged_state_dict, save_adapter
 from .models.hf import export_dtype, save_hf
+from .options import keys_with
 from .outputs import write_file
 from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
@@ -40,10 +41,8 @@ STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft"
 
 # a GRPO checkpoint cannot continue under another model, task or data (a LoRA one holds
 # adapters alone: nor on another base)
-RESUME_FIXED = ("n_layer", "n_head", "n_embd", "block_size", "task", "task_args", "data_path",
-                "group_size", "chat_template", "system_prompt", "lora_r", "lora_alpha",
-                "lora_target_modules")
-RESUME_FIXED_LORA = ("init_from", "adapter")
+RESUME_FIXED = keys_with(GRPOConfig, "resume")
+RESUME_FIXED_LORA = keys_with(GRPOConfig, "resume_lora")
 
 
 def train(cfg) -> dict:

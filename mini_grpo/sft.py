@@ -20,30 +20,22 @@ import torch
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_weights
 from .chunked import token_logprobs
-from .config import ConfigError, load_config
+from .config import ConfigError, GRPOConfig, load_config
 from .data import batch_indices, sft_batch, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
+from .options import keys_with
 from .state import TrainState
 
 if TYPE_CHECKING:
     from .run import Run
 
-# the options that shape a trained stage: a stage saved with others is not reused. The RFT
-# stage starts from the SFT one, so it depends on both.
-STAGE_KEYS = {"sft": ("task", "task_args", "data_path", "num_eval", "seed", "n_layer", "n_head",
-                      "n_embd", "block_size", "dropout", "init_from", "chat_template",
-                      "system_prompt", "sft_steps",
-                      "sft_batch_size", "sft_lr", "weight_decay", "warmup_steps", "grad_clip",
-                      "use_amp", "amp_dtype", "lora_r", "lora_alpha", "lora_dropout",
-                      "lora_target_modules", "adapter")}
-STAGE_KEYS["rft"] = STAGE_KEYS["sft"] + ("rft_sft_steps", "rft_lr", "rft_oversample",
-                                         "rft_min_reward", "rft_keep", "rft_num_prompts",
-                                         "temperature", "top_k", "top_p", "max_new_tokens",
-                                         "rewards")
-# what shapes RFT's generated data (not the SFT on it): data made with others is not resumed
-STAGE_KEYS["rft_data"] = tuple(k for k in STAGE_KEYS["rft"] if k not in ("rft_sft_steps",
-                                                                          "rft_lr"))
+# the options that shape a trained stage, by their declared roles (options.ROLES): a stage
+# saved with others is not reused. The RFT stage starts from the SFT one, so it depends on
+# both; its data on the SFT stage's options and its own generation's.
+STAGE_KEYS = {"sft": keys_with(GRPOConfig, "sft"),
+              "rft_data": keys_with(GRPOConfig, "sft", "rft_data"),
+              "rft": keys_with(GRPOConfig, "sft", "rft_data", "rft")}
 
 
 def sft_dir(cfg) -> Path:

@@ -1,5 +1,6 @@
 """Config precedence and bad-input errors, through the real entry point as a subprocess."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import yaml
 
 from mini_grpo.config import ConfigError, GRPOConfig, load_config, parse_cli
+from mini_grpo.options import keys_with
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -276,19 +278,81 @@ def test_help_lists_every_option_with_its_default(capsys):
         text = capsys.readouterr().out
         for f in dataclasses.fields(GRPOConfig):
             assert f"  --{f.name} (" in text, f.name
-        assert "  --lr (float, default 3e-5)" in text and "LORA_R (lora_r)" in text
-        assert "  --lora_r (int, default 0)\n      adapters of this rank" in text
+        assert "  --lr (float, default 3e-05; >= 0)" in text
+        assert "  --lora_r (int, default 0; >= 0; env LORA_R)\n      adapters of this rank" in text
+        assert "  --seed (int, default 1337; 0..4294967295; env SEED)" in text
 
 
-def test_readme_lists_every_environment_switch():
-    """README's table of environment variables says what ENV_VARS does, row for row."""
-    import re
+def test_readme_env_table_is_generated_from_the_declarations():
+    """README's table of environment variables is config_help.env_table(), verbatim: the
+    variables, fields, values and defaults the fields declare (regenerate it with
+    `python -m mini_grpo.config_help --env-table`)."""
+    from conftest import ROOT
+
+    from mini_grpo.config_help import env_table
+
+    assert env_table() in (ROOT / "README.md").read_text()
+
+
+def test_every_option_declares_its_roles():
+    """Every field is declared with opt() and at least one role; a field added without one is
+    found (the check that keeps stage, resume and loss keys complete)."""
+    from mini_grpo.options import opt, undeclared
+
+    assert undeclared(GRPOConfig) == []
+
+    @dataclasses.dataclass
+    class WithNewKnob(GRPOConfig):
+        new_knob: int = 3
+
+    @dataclasses.dataclass
+    class WithRoles(GRPOConfig):
+        new_knob: int = opt(3, "grpo")
+
+    assert undeclared(WithNewKnob) == ["new_knob"]
+    assert undeclared(WithRoles) == []
+    with pytest.raises(TypeError, match="roles must name"):
+        opt(3, "")
+    with pytest.raises(TypeError, match="roles must name"):
+        opt(3, "sft shapes")
+    with pytest.raises(TypeError, match="a check is"):
+        opt(3, "run", "positive")
+
+
+def test_keys_derived_from_roles():
+    """The stage, resume and loss keys are the fields of those roles, nested as the stages
+    are (RFT's data depends on the SFT stage, RFT's SFT on both)."""
+    from mini_grpo.grpo import LossSettings
+    from mini_grpo.job import RESUME_FIXED, RESUME_FIXED_LORA
+    from mini_grpo.sft import STAGE_KEYS
+
+    sft, data, rft = (set(STAGE_KEYS[k]) for k in ("sft", "rft_data", "rft"))
+    assert sft < data < rft
+    assert {"seed", "sft_lr", "lora_r", "task_args"} <= sft
+    assert {"temperature", "rft_oversample", "rewards"} <= data - sft
+    assert rft - data == {"rft_sft_steps", "rft_lr"}
+    assert {"n_layer", "task", "group_size"} <= set(RESUME_FIXED)
+    assert set(RESUME_FIXED_LORA) == {"init_from", "adapter"}
+    assert {f.name for f in dataclasses.fields(LossSettings)} == set(
+        keys_with(GRPOConfig, "loss"))
+    s = LossSettings.of(GRPOConfig(beta=0.5, loss_agg="grpo"))
+    assert (s.beta, s.loss_agg, s.vllm_is_cap) == (0.5, "grpo", 0.0)  # native: no IS weight
+
+
+def test_no_module_lists_config_keys_by_hand():
+    """No list, tuple or set of three or more config keys is written out in mini_grpo's code
+    outside the declarations: such lists are derived from the fields' roles."""
+    import ast
 
     from conftest import ROOT
 
-    from mini_grpo.config import ENV_VARS
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    found = []
+    for path in sorted((ROOT / "mini_grpo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and len(node.elts) >= 3 and all(
+                    isinstance(e, ast.Constant) and e.value in names for e in node.elts):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []
 
-    rows = re.findall(r"^\| `([A-Z0-9_]+)` \| `(\w+)` \|", (ROOT / "README.md").read_text(),
-                      re.M)
-    # PARALLEL_REWARDS, a legacy switch, is read as reward_executor: README names that field
-    assert dict(rows) == {**ENV_VARS, "PARALLEL_REWARDS": "reward_executor"}
+
