@@ -122,6 +122,7 @@ def evaluate_main(argv: list[str]) -> int:
             check_file(args.json, _our_eval_json)
         state, cfg = _from_checkpoint(args.checkpoint, rest)
         with setup(cfg, checkpoint=state, log=False, train=False) as run:
+            run.sync_engine()
             result = {mode: evaluate(run, greedy=mode == "greedy", seed=cfg.seed)
                       for mode in ("greedy", "sampled")}
             what = "Hugging Face model" if state is None else \
@@ -171,17 +172,23 @@ def sample_main(argv: list[str]) -> int:
     def run_sample():
         import torch
 
-        from .rollout import sample
+        from .engines import Sampling
         from .run import setup
 
-        state, cfg = _from_checkpoint(args.checkpoint, [*rest, "--device=cpu",
-                                                        "--compile_model=false", "--rewards=null"])
+        overrides = ["--device=cpu", "--compile_model=false", "--rewards=null"]
+        if not args.greedy:  # --greedy takes any --temperature
+            overrides.append(f"--temperature={args.temperature}")
+        if args.max_new_tokens:
+            overrides.append(f"--max_new_tokens={args.max_new_tokens}")
+        state, cfg = _from_checkpoint(args.checkpoint, [*rest, *overrides])
         with setup(cfg, checkpoint=state, log=False, task=False, train=False) as run:
+            run.sync_engine()
             for p in args.prompt:
                 if run.tok.unknown_chars(p):
                     raise ConfigError(f"--prompt {p!r}: characters not in the model's "
                                       f"alphabet: {run.tok.unknown_chars(p)}")
-            n = args.max_new_tokens or cfg.max_new_tokens
+            sampling = Sampling.of(cfg, greedy=args.greedy)
+            n = sampling.max_new_tokens
             if max(len(run.tok.encode_prompt(p)) for p in args.prompt) + n > \
                     run.model.cfg.block_size:
                 raise ConfigError(f"--max_new_tokens: {n} more tokens do not fit the model's "
@@ -190,9 +197,8 @@ def sample_main(argv: list[str]) -> int:
             gen = torch.Generator().manual_seed(args.seed)
             for i in range(0, len(prompts), SAMPLE_BATCH):  # printed as they come
                 batch = prompts[i:i + SAMPLE_BATCH]
-                with run.precision.autocast(generation=True):
-                    r = sample(run.model, run.tok, batch, n, greedy=args.greedy,
-                               temperature=args.temperature, generator=gen)
+                r = run.sampler().generate(batch, sampling, gen,
+                                           run.precision.autocast(generation=True))
                 for p, text in zip(batch, r.texts):
                     line = json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) \
                         if args.json else f"{p} {text}"
@@ -241,6 +247,7 @@ def rft_generate_main(argv: list[str]) -> int:
 
         state, cfg = _from_checkpoint(args.checkpoint, rest)
         with setup(cfg, checkpoint=state, log=False, train=False) as run:
+            run.sync_engine()
             examples = first_prompts(run.task.train, cfg.rft_num_prompts) \
                 if args.split == "train" else run.task.eval
             generate_rft_data(run, examples, args.output, source={

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .engines import Sampling
 from .rewards.text import exact_match
-from .rollout import sample, score
+from .rollout import score
 
 if TYPE_CHECKING:
     from .run import Run
@@ -35,16 +36,16 @@ def _summary(total, columns: dict, lengths) -> dict[str, float]:
 @torch.no_grad()
 def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
              amp: bool = True) -> dict:
-    """One completion per held-out example of run.task, scored; returns a flat dict."""
+    """One completion per held-out example of run.task, scored; returns a flat dict. Samples
+    through the run's engine (Run.sampler), with the weights it was last synced with."""
     cfg, task, examples = run.cfg, run.task, run.task.eval
+    engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
     texts, lengths = [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        with run.precision.autocast(generation=True, enabled=amp):
-            r = sample(run.model, run.tok, [ex.model_input for ex in chunk], cfg.max_new_tokens,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                       greedy=greedy, generator=gen)
+        r = engine.generate([ex.model_input for ex in chunk], sampling, gen,
+                            run.precision.autocast(generation=True, enabled=amp))
         texts += r.texts
         lengths += r.lengths()
     prompts = [ex.prompt for ex in examples]

@@ -120,8 +120,10 @@ def frozen_copy(model: torch.nn.Module, copy: torch.nn.Module, device: torch.dev
 def full_params(model: torch.nn.Module):
     """Inside, every FSDP module of `model` holds its full weights (one all-gather each, on
     every rank: a collective) and keeps them across forward passes, so a rank may run any
-    number of forwards alone; on exit the gathered copies are freed."""
-    if not is_sharded(model):
+    number of forwards alone; on exit the gathered copies are freed. Re-entrant: inside
+    another it gathers and frees nothing (rank 0, alone in an outer one, samples through an
+    engine that opens its own)."""
+    if not is_sharded(model) or getattr(model, "_full_params", False):
         yield
         return
     from torch.distributed.fsdp import FSDPModule
@@ -130,9 +132,11 @@ def full_params(model: torch.nn.Module):
     for m in [*blocks, model]:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
+    model._full_params = True
     try:
         yield
     finally:
+        model._full_params = False
         for m in [*blocks, model]:
             m.reshard()
         for m in blocks:  # the root keeps its own default (not resharded after forward)

@@ -57,6 +57,7 @@ def train(cfg) -> dict:
             amp = train_sft(run, amp=amp)
         result = {}
         if "rft" in stages:
+            run.sync_engine()  # the engine samples what SFT (or init_from) left
             with fsdp.full_params(run.model):  # every rank gathers, rank 0 evaluates
                 if run.dist.is_main:
                     result = saved_evals(run) if resume is not None else {}
@@ -65,12 +66,14 @@ def train(cfg) -> dict:
             amp = run_rft(run, amp)
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
+            run.sync_engine()
             with fsdp.full_params(run.model):
                 result = before_grpo(run, resume, amp, result)
             if resume is not None:
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
             amp = train_grpo(run, resume, amp).guard.amp
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
+        run.sync_engine()  # the final evaluation samples the final weights
         with fsdp.full_params(run.model):
             if run.dist.is_main:
                 finish(run, result, stages, weights, amp)
@@ -189,6 +192,7 @@ def run_rft(run: Run, amp: bool) -> bool:
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
+    run.sync_engine()
     with fsdp.full_params(run.model):  # each rank samples alone
         # the run's own directory: data of other settings there is regenerated, not refused
         generate_rft_data(run, examples, data, amp, replace_stale=True)

@@ -37,6 +37,7 @@ from .checkpoint import (
 from .config import ConfigError, GRPOConfig, load_config
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
+from .engines.native import NativeEngine
 from .limits import check_lengths, check_step_memory, check_world
 from .logger import RunLogger
 from .lora import adapter_keys, apply_lora, is_lora, load_adapter, store_base_in
@@ -79,7 +80,8 @@ class Run:
     scorer: RewardScorer | None
     logger: RunLogger | None  # rank 0 of a training run only
     reference: Reference | None = None
-    engine: Engine | None = None  # what samples GRPO's rollouts (engines/); training runs only
+    # what samples (engines/): GRPO's rollouts, evaluation, RFT's data, `mini-grpo sample`
+    engine: Engine | None = None
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
@@ -106,6 +108,20 @@ class Run:
                                      cpu_offload=cfg.fsdp_cpu_offload,
                                      shard_size=cfg.fsdp_shard_size, timer=self.comm)
         self.reference = Reference(model, self.device, cfg.offload_reference, copy=False)
+
+    def sampler(self, alone: bool = False) -> Engine:
+        """The engine every caller samples through. It serves the weights of its last
+        `sync_engine`. `alone`: for a rank that samples while the others do not (evaluation
+        on rank 0), an engine with no collective in `generate`: the run's, or where that is a
+        tensor-parallel vLLM group, our native sampler."""
+        if alone and not self.engine.alone:
+            return NativeEngine(self.model, self.tok, self.cfg.kv_cache)
+        return self.engine
+
+    def sync_engine(self) -> None:
+        """The engine takes the policy's current weights (on every rank: a collective where
+        the engine keeps a copy; nothing to do for the native one). Outside full_params."""
+        self.engine.sync(self.model)
 
     @property
     def sharded(self) -> bool:
@@ -194,12 +210,12 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         D.cleanup(wait=False)
         raise
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger)
-    if train and data is not None and cfg.mode in ("grpo", "sft_grpo", "rft_grpo"):
-        try:  # before any work: a model the engine cannot serve is refused here
-            run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size))
-        except BaseException:
-            run.close(failed=True)
-            raise
+    try:  # before any work: a model the engine cannot serve is refused here
+        run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size)
+                                 if longest else None)
+    except BaseException:
+        run.close(failed=True)
+        raise
     if data is not None:
         procs = f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}"
         run.print0(f"[mini-grpo] task {data.name}: {len(data.train)} train / {len(data.eval)} "

@@ -50,8 +50,8 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
         run.logger.start_clock(state.current_step)
     if run.comm:
         run.comm.pop()  # the collectives of SFT, RFT and the set-up are no step's
-    engine, synced = run.engine, -1  # -1: the engine has never had this stage's weights
-    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    engine, synced = run.sampler(), -1  # -1: the engine has never had this stage's weights
+    sampling = Sampling.of(cfg)
     for step in range(state.current_step + 1, cfg.max_steps + 1):
         faults.step_start(step, dist)
         t_step, times = time.perf_counter(), {}
@@ -114,6 +114,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
         # ---- periodic evaluation (rank 0; the others wait at the next collective)
         if step % cfg.eval_every == 0 and step < cfg.max_steps:
             evaluate_step(run, step, state.guard.amp)
+            synced = state.weight_version  # the evaluation gave the engine these weights
         # a checkpoint only from a step whose update went through: "restore" must go back
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or step == cfg.max_steps) and state.guard.last_ok:
@@ -122,8 +123,9 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
 
 
 def evaluate_step(run: Run, step: int, amp: bool) -> None:
-    """The periodic greedy evaluation: every rank gathers the weights, rank 0 evaluates and
-    logs the metrics and samples."""
+    """The periodic greedy evaluation: the engine takes this step's weights and every rank
+    gathers them, rank 0 evaluates and logs the metrics and samples."""
+    run.sync_engine()
     with fsdp.full_params(run.model):
         if run.logger:
             ev = evaluate(run, greedy=True, amp=amp)

@@ -103,6 +103,37 @@ def test_two_ranks_under_fsdp_share_a_tensor_parallel_engine_synced_every_step(t
     assert len(diffs) == 3 and max(diffs) < 1e-4, diffs
 
 
+def test_rft_generates_and_evaluates_through_vllm(tmp_path):
+    # `--mode=rft --rollout_engine=vllm`: the RFT data and the evaluations are sampled by
+    # vLLM, each time with the weights SFT (then RFT's SFT) left: its greedy completions are
+    # those our native sampler gives on the checkpoints of those stages (an engine left with
+    # stale or dummy weights would differ)
+    lm = tiny_lm_dir(tmp_path / "lm", "qwen2", heads=2)
+    out = tmp_path / "run"
+    r = entry("--config", "tiny", "--mode=rft", f"--init_from={lm}", "--block_size=256",
+              "--rollout_engine=vllm", f"--out_dir={out}", "--rft_num_prompts=16",
+              "--rft_oversample=4", "--rft_min_reward=-1", "--rft_sft_steps=2",
+              "--max_new_tokens=16", "--sft_steps=40", "--sft_lr=3e-3", "--use_amp=false",
+              timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    summary = json.loads((out / "rft" / "data.jsonl.summary.json").read_text())
+    assert summary["engine"] == "vllm" and summary["completions_generated_now"] == 64
+    assert "on the vllm engine" in r.stdout
+    evals = json.loads((out / "eval.json").read_text())
+    # RFT's SFT moved the weights enough to change greedy completions: the check has teeth
+    assert evals["before"]["greedy"]["samples"] != evals["after"]["greedy"]["samples"]
+    for when, ckpt in (("before", out / "sft" / "step_0000040.pt"),
+                       ("after", out / "rft" / "sft" / "step_0000002.pt")):
+        native = subprocess.run(
+            [sys.executable, "-m", "mini_grpo", "evaluate", f"--checkpoint={ckpt}",
+             "--rollout_engine=native", f"--json={tmp_path / when}.json"],
+            capture_output=True, text=True, cwd=ROOT, env=clean_env(), timeout=300)
+        assert native.returncode == 0, native.stderr[-2000:]
+        ours = json.loads((tmp_path / f"{when}.json").read_text())["greedy"]
+        assert ours["samples"] == evals[when]["greedy"]["samples"], when
+        assert abs(ours["reward"] - evals[when]["greedy"]["reward"]) < 1e-6, when
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

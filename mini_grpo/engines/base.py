@@ -25,9 +25,17 @@ class Sampling:
     top_p: float = 1.0  # 1.0 = off
     greedy: bool = False
 
+    @classmethod
+    def of(cls, cfg, greedy: bool = False) -> Sampling:
+        """The config's sampling options (greedy: the most likely token, for evaluation)."""
+        return cls(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, greedy)
+
 
 class Engine(Protocol):
     name: str
+    # whether one rank may generate while the others do not (no collective in generate):
+    # evaluation runs on rank 0 alone
+    alone: bool
 
     def generate(self, prompts: list, sampling: Sampling,
                  generator: torch.Generator | None = None,

@@ -51,6 +51,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class ServerEngine:
     name = "vllm"
+    alone = True  # every rank sends its own requests
 
     def __init__(self, run: Run):
         cfg = run.cfg

@@ -10,6 +10,7 @@ from ..rollout import Rollout, sample
 
 class NativeEngine:
     name = "native"
+    alone = True  # each rank samples its own rows with its own (gathered) policy
 
     def __init__(self, model, tok, use_cache: bool = True):
         self.model, self.tok, self.use_cache = model, tok, use_cache

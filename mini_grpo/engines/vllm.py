@@ -206,6 +206,7 @@ class VLLMEngine:
         self.sleep, self.asleep = cfg.vllm_sleep, False
         # the ranks of one engine: they sample all their prompts together, each keeps its own
         self.group = D.consecutive_groups(tp)
+        self.alone = self.group is None  # tensor parallel: the group generates together
         self.dtype = engine_dtype(cfg.vllm_dtype, run.device)
         self.SamplingParams = vllm.SamplingParams
         max_len = max_len or model.cfg.block_size
