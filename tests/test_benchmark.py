@@ -115,3 +115,8 @@ def test_the_rollout_engines_side_by_side_on_a_hugging_face_model(tmp_path):
     assert all(v > 0 for v in e["tokens_per_s"].values())
     assert set(e["step"]) == engines - {"transformers"}
     assert "rollout engines:" in r.stdout and "GRPO step with native" in r.stdout
+    # RFT's data generation on each engine that samples for us (not transformers)
+    rft = e["rft"]
+    assert set(rft["completions_per_s"]) == engines - {"transformers"}
+    assert all(v > 0 for v in rft["completions_per_s"].values())
+    assert "RFT data (" in r.stdout and "completions/s" in r.stdout

@@ -13,8 +13,10 @@ alternating so that machine noise hits all alike:
   ids (left-padded), sampling with the same temperature.
 Reported: load seconds apart from generation (native: the run's set-up; vllm: the engine's
 start; transformers: from_pretrained), generated tokens per second (each engine's own
-completions: random weights rarely stop early, but counted to EOS when they do), and then
-one GRPO step section (benchmark.py's) per engine that the machine has.
+completions: random weights rarely stop early, but counted to EOS when they do), RFT's data
+generation on each engine (completions per second: rft_prompts_per_batch x rft_oversample
+rows per pass, scored and written, as `mode: rft` runs it), and then one GRPO step section
+(benchmark.py's) per engine that the machine has.
 
 On a CPU vLLM's gains over our loop are small: no CUDA graphs, no fused GPU kernels, and a
 batch of 32 rows leaves little for continuous batching to win. On a GPU, measure with
@@ -90,6 +92,7 @@ def bench_engines(cfg, task, repeats: int, step_fn) -> dict:
                 print(f"[bench] engines: {'warm-up' if rep == 0 else f'rep {rep}/{repeats}'}: "
                       + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items()),
                       file=sys.stderr, flush=True)
+            rft = _rft_rates(run, engines, task.train, repeats)
         finally:
             if "vllm" in engines:
                 engines["vllm"].close()
@@ -101,7 +104,36 @@ def bench_engines(cfg, task, repeats: int, step_fn) -> dict:
                                                              for k, v in secs.items()},
             "runs_tokens_per_s": rates,
             "over_native": {k: v / med["native"] for k, v in med.items()},
-            "step": steps}
+            "rft": rft, "step": steps}
+
+
+def _rft_rates(run, engines: dict, train: list, repeats: int) -> dict:
+    """RFT's data generation (rft.generate_rft_data: sampling, scoring, writing) on each
+    engine, on two of its batches of prompts (rft_prompts_per_batch x rft_oversample rows
+    each), into a scratch directory: completions per second, median of `repeats` after a
+    warm-up, the engines alternating."""
+    import tempfile
+    from pathlib import Path
+
+    from ..rft import first_prompts, generate_rft_data
+
+    cfg, own = run.cfg, run.engine
+    examples = first_prompts(train, 2 * cfg.rft_prompts_per_batch)
+    rates: dict[str, list[float]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="mini_grpo_bench_rft_") as tmp:
+            for rep in range(repeats + 1):
+                for name, engine in engines.items():
+                    run.engine = engine
+                    out = generate_rft_data(run, examples, Path(tmp) / f"{name}{rep}.jsonl")
+                    if rep:
+                        rates.setdefault(name, []).append(out["completions_per_s"])
+    finally:
+        run.engine = own
+    return {"prompts": len(examples), "oversample": cfg.rft_oversample,
+            "prompts_per_batch": cfg.rft_prompts_per_batch,
+            "completions_per_s": {k: statistics.median(v) for k, v in rates.items()},
+            "runs_completions_per_s": rates}
 
 
 def _transformers(path: str, device):
@@ -141,6 +173,11 @@ def format_engines(r: dict) -> str:
     if "vllm_sync" in r["load_s"]:
         lines.append(f"  vllm weight sync (every weight from memory): "
                      f"{r['load_s']['vllm_sync']:.3f} s")
+    rft = r["rft"]
+    lines.append(f"  RFT data ({rft['prompts']} prompts x {rft['oversample']}, "
+                 f"{rft['prompts_per_batch']} prompts per batch, scored and written): "
+                 + ", ".join(f"{k} {v:.1f}" for k, v in rft["completions_per_s"].items())
+                 + " completions/s")
     for k, st in r["step"].items():
         p = st["phase_s"]
         lines.append(f"  GRPO step with {k:<7} {st['step_s']['median']:.2f} s (generate "

@@ -112,6 +112,13 @@ def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, se
         kw["distributed_executor_backend"] = "external_launcher"
     if sleep:
         kw["enable_sleep_mode"] = True
+    if device.type == "cpu":
+        # a prompt prefilled in chunks has its first sampled token discarded, and vLLM 0.32
+        # rewinds its seeded generator for that, which CPU generators cannot do ("CPU
+        # Generator does not use offset"): larger batches (RFT's 128 rows) crashed. Whole
+        # prefills instead, with a step budget that holds the longest sequence
+        kw["enable_chunked_prefill"] = False
+        kw["max_num_batched_tokens"] = max(max_len or 0, 8192)
     llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, load_format=load_format,
                    dtype=str(dtype).removeprefix("torch."), seed=seed, max_model_len=max_len,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=True,
