@@ -62,12 +62,12 @@ class Reference:
         state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}
         return mb.logprobs(_Streamed(self.model, state), temperature)
 
-    def fill(self, out: torch.Tensor, batches: list, temperature: float, pad: int = 0) -> None:
-        """The reference log-probs of every micro-batch's rows into `out` (B, N). `pad`
-        extra passes keep a sharded reference's collectives in step with the busiest rank
-        (an offloaded reference is a whole copy: it has none)."""
+    def fill(self, batches: list, temperature: float, pad: int = 0) -> None:
+        """Every micro-batch's `ref_logp`: its rows' reference log-probs. `pad` extra passes
+        keep a sharded reference's collectives in step with the busiest rank (an offloaded
+        reference is a whole copy: it has none)."""
         for mb in batches:
-            out[mb.rows, :mb.ids.size(1)] = self.logprobs(mb, temperature)
+            mb.ref_logp = self.logprobs(mb, temperature)
         for _ in range(0 if self.offload else pad):
             self.logprobs(batches[-1], temperature)
 

@@ -225,13 +225,20 @@ def plan_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
 @dataclass
 class MicroBatch:
     """Rows of a rollout that go through the model together (the reference pass and every
-    policy pass), each distinct prompt once, cut to the columns that hold a real token."""
+    policy pass), each distinct prompt once, cut to the columns that hold a real token; and
+    what the loss needs of those rows, sliced once (in the manner of torchtune's
+    GRPOTrajectory): advantages, the engine's log-probs, the reference's (Reference.fill)
+    and the old policy's (the first policy pass's)."""
     rows: torch.Tensor  # (b,) the rollout's rows
     prompt_ids: torch.Tensor  # (U, P) the distinct prompts of these rows, left-padded
     prompt_mask: torch.Tensor  # (U, P) bool
     prompt_index: torch.Tensor  # (b,) each row's prompt in prompt_ids
     ids: torch.Tensor  # (b, n) completion tokens
     mask: torch.Tensor  # (b, n) bool, True on the tokens that carry loss
+    adv: torch.Tensor | None = None  # (b,)
+    engine_logp: torch.Tensor | None = None  # (b, n) what the rollout engine sampled with
+    ref_logp: torch.Tensor | None = None  # (b, n) the reference policy's; None: no reference
+    old_logp: torch.Tensor | None = None  # (b, n) the policy's before this step's update
 
     def logprobs(self, model, temperature: float, entropy: bool = False):
         """logp (b, n) of the completion tokens under `model` (and entropy: see
@@ -246,9 +253,11 @@ class MicroBatch:
         return self.prompt_ids.numel() + b * (n - 1), int(real)
 
 
-def micro_batches(r: Rollout, cmask: torch.Tensor, size: int, group: int) -> list[MicroBatch]:
-    """The micro-batches of `row_batches`' plan; `cmask` (B, N) is the completion mask less
-    the rows that carry no loss."""
+def micro_batches(r: Rollout, cmask: torch.Tensor, size: int, group: int,
+                  adv: torch.Tensor | None = None) -> list[MicroBatch]:
+    """The micro-batches of `row_batches`' plan, each with its rows' advantages (`adv`, (B,))
+    and engine log-probs; `cmask` (B, N) is the completion mask less the rows that carry no
+    loss."""
     out = []
     for rows in row_batches(r, cmask, size, group):
         cm = cmask[rows]
@@ -257,7 +266,9 @@ def micro_batches(r: Rollout, cmask: torch.Tensor, size: int, group: int) -> lis
         pids, pm = r.prompt_ids[groups * group], r.prompt_mask[groups * group]
         first = int(pm.any(0).int().argmax())  # prompts are left-padded
         out.append(MicroBatch(rows, pids[:, first:], pm[:, first:], index,
-                              r.completion_ids[rows, :n], cm[:, :n]))
+                              r.completion_ids[rows, :n], cm[:, :n],
+                              adv=None if adv is None else adv[rows],
+                              engine_logp=r.logprobs[rows, :n]))
     return out
 
 

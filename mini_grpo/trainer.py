@@ -78,12 +78,10 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
         times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- micro-batches for every pass; reference log-probs (beta = 0: no reference)
-        batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, cfg.group_size)
-        pad = fsdp.pad_passes(model, len(batches), run.device)  # fsdp: ranks in step
-        ref_lp = torch.zeros_like(r.logprobs)
+        traj = Trajectory.of(r, batch, cfg, model)
         if run.reference is not None:
             with state.autocast():
-                run.reference.fill(ref_lp, batches, cfg.temperature, pad)
+                run.reference.fill(traj.batches, cfg.temperature, traj.pad)
         times["reference"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
@@ -91,10 +89,9 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
             run.comm.mark()  # fsdp: the gathers so far were sampling's and the reference's
         state.begin(step)
         model.train()
-        stats, old, t_opt = StepStats.zeros(run.device), None, 0.0
+        stats, t_opt = StepStats.zeros(run.device), 0.0
         for _ in range(cfg.num_iterations):
-            part, old = policy_pass(run.net, batches, batch, ref_lp, old, cfg, state, pad,
-                                    engine_lp=r.logprobs)
+            part = policy_pass(run.net, traj, cfg, state)
             faults.after_backward(step, dist, part.loss, model)
             stats += part
             t1 = time.perf_counter()
@@ -197,47 +194,64 @@ class StepStats:
         return self
 
 
-def policy_pass(net, batches: list[MicroBatch], batch: Batch, ref_lp, old, cfg,
-                state: TrainState | None = None, pad: int = 0, engine_lp=None):
-    """One pass over the rollout's micro-batches, accumulating the gradient of its GRPO loss
-    (through `state`: its autocast and loss scaling; without one, fp32 and a plain backward).
+@dataclass
+class Trajectory:
+    """A step's rows as the policy passes take them: micro-batches that carry their own
+    advantages and engine, reference and old log-probs (rollout.MicroBatch), the global
+    batch's normalisers, and `pad`, the passes with no loss that keep fsdp's ranks in step."""
+    batches: list[MicroBatch]
+    num_seqs: torch.Tensor
+    num_tokens: torch.Tensor
+    pad: int = 0
 
-    `old` is None on the first pass, whose own detached log-probs then serve as the old ones
-    (ratio exactly 1); later passes get back the list this returns. The normalisers are the
-    global batch's, so the gradients summed over micro-batches and ranks are those of one
-    process holding the whole batch; DDP averages over ranks, hence the factor world size.
-    `engine_lp` (B, N): the log-probs the rollout engine sampled with (its mismatch with the
-    old ones is measured, and under vllm corrected: grpo.engine_is_weight).
-    All micro-batches but the last skip DDP's all-reduce (no_sync). `pad` extra passes over
-    the last micro-batch carry no loss: under fsdp they keep the ranks' collectives in step.
-    Returns (StepStats of this pass, old).
+    @classmethod
+    def of(cls, r: Rollout, batch: Batch, cfg, model=None) -> Trajectory:
+        """The rollout cut into micro-batches of `cfg`; `model`: the policy, for fsdp's pad."""
+        batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, cfg.group_size,
+                                batch.adv)
+        pad = 0 if model is None else fsdp.pad_passes(model, len(batches), batch.adv.device)
+        return cls(batches, batch.num_seqs, batch.num_tokens, pad)
+
+
+def policy_pass(net, traj: Trajectory, cfg, state: TrainState | None = None) -> StepStats:
+    """One pass over the trajectory's micro-batches, accumulating the gradient of its GRPO
+    loss (through `state`: its autocast and loss scaling; without one, fp32 and a plain
+    backward).
+
+    The first pass's own detached log-probs become each micro-batch's `old_logp` (ratio
+    exactly 1); later passes (num_iterations) reuse them. The normalisers are the global
+    batch's, so the gradients summed over micro-batches and ranks are those of one process
+    holding the whole batch; DDP averages over ranks, hence the factor world size. The
+    engine's log-probs are compared with the old ones (and under vllm corrected:
+    grpo.engine_is_weight). All micro-batches but the last skip DDP's all-reduce (no_sync).
+    `traj.pad` extra passes over the last micro-batch carry no loss: under fsdp they keep
+    the ranks' collectives in step. Returns the pass's StepStats.
     """
-    settings, world = LossSettings.of(cfg), D.world_size()
+    settings, world, batches = LossSettings.of(cfg), D.world_size(), traj.batches
     autocast = state.autocast if state is not None else nullcontext
     backward = state.backward if state is not None else torch.Tensor.backward
-    stats, olds = StepStats.zeros(batch.adv.device), []
+    stats = StepStats.zeros(traj.num_tokens.device)
     for j, mb in enumerate(batches):
         last = j == len(batches) - 1
         with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
             with autocast():
                 logp, ent = mb.logprobs(net, cfg.temperature, entropy=True)
-            olds.append(logp.detach() if old is None else old[j])
-            loss, st = grpo_loss(logp, olds[j], batch.adv[mb.rows], mb.mask, settings,
-                                 ref_logp=ref_lp[mb.rows, :mb.ids.size(1)], entropy=ent,
-                                 num_seqs=batch.num_seqs, num_tokens=batch.num_tokens,
-                                 engine_logp=None if engine_lp is None else
-                                 engine_lp[mb.rows, :mb.ids.size(1)])
+            if mb.old_logp is None:
+                mb.old_logp = logp.detach()
+            loss, st = grpo_loss(logp, mb.old_logp, mb.adv, mb.mask, settings,
+                                 ref_logp=mb.ref_logp, entropy=ent, num_seqs=traj.num_seqs,
+                                 num_tokens=traj.num_tokens, engine_logp=mb.engine_logp)
             backward(loss * world)
         k = mb.mask.sum()
         pushed, real = mb.positions()
         pushed, real = torch.tensor([pushed, real], dtype=torch.float32, device=k.device)
         stats += StepStats(loss=loss.detach(), positions=pushed, real=real,
                            **{name: v * k for name, v in st._asdict().items()})
-    for _ in range(pad):
+    for _ in range(traj.pad):
         with autocast():
             nothing = batches[-1].logprobs(net, cfg.temperature).sum() * 0.0
         backward(nothing)
-    return stats, olds
+    return stats
 
 
 def comm_times(comm) -> dict[str, float]:

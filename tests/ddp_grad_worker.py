@@ -16,8 +16,8 @@ import torch
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
-from mini_grpo.rollout import Rollout, micro_batches, pad_left
-from mini_grpo.trainer import advantages, policy_pass
+from mini_grpo.rollout import Rollout, pad_left
+from mini_grpo.trainer import Trajectory, advantages, policy_pass
 
 PROMPTS, G, N = 4, 4, 12
 
@@ -52,10 +52,11 @@ def take(r: Rollout, rows: slice) -> Rollout:
 def gradient(net, r, rewards, ref_lp, cfg) -> None:
     """The trainer's recipe: global normalisers, advantages, passes over micro-batches."""
     batch = advantages(rewards, r.completion_mask, cfg)
-    batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)
-    old = None
+    traj = Trajectory.of(r, batch, cfg)
+    for mb in traj.batches:
+        mb.ref_logp = ref_lp[mb.rows, :mb.ids.size(1)]
     for _ in range(cfg.num_iterations):
-        _, old = policy_pass(net, batches, batch, ref_lp, old, cfg)
+        policy_pass(net, traj, cfg)
 
 
 def main(out_path: str) -> None:

@@ -23,8 +23,7 @@ from mini_grpo.config import load_config
 from mini_grpo.lora import apply_lora
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.optim import make_optimizer
-from mini_grpo.rollout import micro_batches
-from mini_grpo.trainer import advantages, policy_pass
+from mini_grpo.trainer import Trajectory, advantages, policy_pass
 
 
 def build(family: str):
@@ -102,10 +101,11 @@ def main(out_path: str, parallelism: str) -> None:
             r, rewards, ref_lp = make_batch(seed=step)
             r, rewards, ref_lp = take(r, mine), rewards[mine], ref_lp[mine]
             batch = advantages(rewards, r.completion_mask, cfg, r.finished)
-            batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, G)
-            pad = fsdp.pad_passes(model, len(batches), torch.device("cpu"))
-            counts.append(len(batches))
-            policy_pass(net, batches, batch, ref_lp, None, cfg, pad=pad)
+            traj = Trajectory.of(r, batch, cfg, model)  # fsdp: padded to equal passes
+            for mb in traj.batches:
+                mb.ref_logp = ref_lp[mb.rows, :mb.ids.size(1)]
+            counts.append(len(traj.batches))
+            policy_pass(net, traj, cfg)
             fsdp.clip_grad_norm(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -9,8 +9,8 @@ from mini_grpo.config import load_config
 from mini_grpo.job import train
 from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.rewards.text import overlong_penalty
-from mini_grpo.rollout import Rollout, micro_batches
-from mini_grpo.trainer import advantages, policy_pass
+from mini_grpo.rollout import Rollout
+from mini_grpo.trainer import Trajectory, advantages, policy_pass
 
 
 def gradient(r: Rollout, rewards, ref_lp, mask_truncated: bool):
@@ -19,7 +19,10 @@ def gradient(r: Rollout, rewards, ref_lp, mask_truncated: bool):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
     batch = advantages(rewards, r.completion_mask, cfg, r.finished)
-    policy_pass(model, micro_batches(r, batch.cmask, 3, G), batch, ref_lp, None, cfg)
+    traj = Trajectory.of(r, batch, cfg)
+    for mb in traj.batches:
+        mb.ref_logp = ref_lp[mb.rows, :mb.ids.size(1)]
+    policy_pass(model, traj, cfg)
     return batch, [p.grad.clone() for p in model.parameters()]
 
 

@@ -178,8 +178,7 @@ def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     """num_iterations > 1: the old log-probs are the first pass's own, not the ones recorded
     while sampling (other kernels, eval mode), so a policy that has not moved is not clipped."""
     from mini_grpo.models import GPT, GPTConfig
-    from mini_grpo.rollout import micro_batches
-    from mini_grpo.trainer import advantages, policy_pass
+    from mini_grpo.trainer import Trajectory, advantages, policy_pass
 
     cfg = tiny_config(None, num_iterations=2, use_amp=True, amp_dtype="bfloat16",
                       micro_batch_size=4)
@@ -192,17 +191,20 @@ def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
         r = generate(m, prompts, 12, 2, 0, temperature=cfg.temperature,
                      generator=torch.Generator().manual_seed(0))
     batch = advantages(torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), r.completion_mask, cfg)
-    batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, cfg.group_size)
+    traj = Trajectory.of(r, batch, cfg)
+    for mb in traj.batches:
+        mb.ref_logp = torch.zeros_like(mb.ids, dtype=torch.float32)
     m.train()
     state = SimpleNamespace(autocast=bf16, backward=torch.Tensor.backward)
-    acc, old = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), None, cfg, state)
+    acc = policy_pass(m, traj, cfg, state)
     tokens = batch.num_tokens.item()
     assert acc.ratio.item() / tokens == 1.0  # the mean ratio, exactly
     assert acc.clip_low.item() == 0 and acc.clip_high.item() == 0  # nothing clipped
-    rows, n = batches[0].rows, batches[0].ids.size(1)
-    assert not torch.equal(old[0], r.logprobs[rows, :n])  # what the old code used differs
-    acc2, _ = policy_pass(m, batches, batch, torch.zeros_like(r.logprobs), old, cfg,
-                          state)  # the second pass reuses them
+    first = traj.batches[0]  # the first pass kept its own log-probs as the old ones
+    assert not torch.equal(first.old_logp, first.engine_logp)  # what the old code used differs
+    old = [mb.old_logp for mb in traj.batches]
+    acc2 = policy_pass(m, traj, cfg, state)  # the second pass reuses them
+    assert all(mb.old_logp is o for mb, o in zip(traj.batches, old))
     assert acc2.ratio.item() / tokens != 1.0  # dropout: a fresh pass is not the same
 
 
