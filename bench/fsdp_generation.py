@@ -21,8 +21,8 @@ from mini_grpo import distributed as D  # noqa: E402
 from mini_grpo import fsdp  # noqa: E402
 from mini_grpo.config import load_config, parse_cli  # noqa: E402
 from mini_grpo.models import build  # noqa: E402
+from mini_grpo.policy import gpt_spec  # noqa: E402
 from mini_grpo.rollout import generate  # noqa: E402
-from mini_grpo.run import gpt_spec  # noqa: E402
 
 
 def main() -> None:

@@ -63,7 +63,8 @@ def save(model: torch.nn.Module, opt: torch.optim.Optimizer | None, meta: dict,
         return _save_sharded(model, opt, meta, Path(directory), step, keep)
     if not D.is_main():
         return None
-    state = {**meta, "model": {k: v for k, v in model.state_dict().items() if _kept(model, k)}}
+    kept = weights_kept(model)
+    state = {**meta, "model": {k: v for k, v in model.state_dict().items() if kept(k)}}
     if opt is not None:
         state["optimizer"] = opt.state_dict()
     return save_checkpoint(state, directory, step, keep=keep)
@@ -77,7 +78,7 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
         clean_stale_temps(directory)
     D.barrier()
     try:
-        fsdp.write_shards(model, opt, tmp, keep=lambda k: _kept(model, k))
+        fsdp.write_shards(model, opt, tmp, keep=weights_kept(model))
         if D.is_main():
             torch.save(meta, tmp / "meta.pt")
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again
@@ -136,17 +137,17 @@ def load_weights(checkpoint: dict, model: torch.nn.Module,
     whichever form it was saved in and however `model` is parallelised now."""
     where = checkpoint.get("sharded") or source
     try:
-        lora = getattr(model, "lora", None)
-        if lora is not None:  # the adapters alone: every one of them, nothing else
+        lora = _adapted(model)
+        if lora:  # the adapters alone: every one of them, nothing else
             saved = set(fsdp.sharded_shapes(where) if checkpoint.get("sharded") else
                         checkpoint["model"])
-            want = {k for k in model.state_dict() if _kept(model, k)}
+            want = {k for k in model.state_dict() if ".lora_" in k}
             if saved != want:
                 odd = sorted(saved - want) or sorted(want - saved)
                 raise ValueError(f"{'unexpected' if saved - want else 'missing'} weight "
                                  f"{odd[0]} (this run trains LoRA adapters of rank "
-                                 f"{lora['r']} on {', '.join(lora['targets'])})")
-        keep = (lambda k: _kept(model, k)) if lora is not None else None
+                                 f"{lora[0]} on {', '.join(lora[1])})")
+        keep = (lambda k: ".lora_" in k) if lora else None
         if checkpoint.get("sharded"):
             fsdp.read_shards(checkpoint["sharded"], model, opt, keep=keep)
             return
@@ -158,10 +159,28 @@ def load_weights(checkpoint: dict, model: torch.nn.Module,
         raise CheckpointError(f"{where}: {e}") from None
 
 
-def _kept(model, name: str) -> bool:
-    """Whether a checkpoint keeps weight `name`: all of them, or with LoRA (lora.py: the
-    model's `lora`) the adapters alone (the frozen base is init_from's, read from there)."""
-    return getattr(model, "lora", None) is None or ".lora_" in name
+def weights_kept(model: torch.nn.Module):
+    """Which weights a checkpoint keeps, as a test on the name: all of them, or with LoRA
+    the adapters alone (the frozen base is init_from's, read from there). The model is
+    looked at on the first call."""
+    adapted: list[bool] = []
+
+    def kept(name: str) -> bool:
+        if not adapted:
+            adapted.append(_adapted(model) is not None)
+        return not adapted[0] or ".lora_" in name
+    return kept
+
+
+def _adapted(model: torch.nn.Module) -> tuple[int, list[str]] | None:
+    """(rank, adapted layers' short names) of a model with LoRA adapters (lora.py's
+    `lora_A` / `lora_B` submodules), read off its weights; None without any."""
+    a = {k.rpartition(".lora_A.")[0]: v for k, v in model.state_dict().items()
+         if ".lora_A." in k}
+    if not a:
+        return None
+    return next(iter(a.values())).shape[0], list(dict.fromkeys(
+        k.rpartition(".")[2] for k in a))
 
 
 def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,

@@ -90,7 +90,7 @@ def check_gpt_size(cfg) -> None:
     if cfg.init_from:
         return
     from .models import check_size
-    from .run import gpt_spec
+    from .policy import gpt_spec
 
     try:
         check_size(gpt_spec(cfg, 0), "n_layer/n_embd/block_size")
@@ -101,7 +101,7 @@ def check_gpt_size(cfg) -> None:
 def _from_checkpoint(path: str, rest: list[str]):
     """(state, config) of a checkpoint, its stored config checked like a user's; raises
     ConfigError / CheckpointError."""
-    from .run import checkpoint_config
+    from .policy import checkpoint_config
 
     return checkpoint_config(path, parse_cli(rest)[1])
 
@@ -282,7 +282,7 @@ def export_main(argv: list[str]) -> int:
         from .lora import ADAPTER_FILES, is_lora, merged_state_dict, save_adapter
         from .models.hf import WRITTEN, export_dtype, save_hf
         from .outputs import check_replaceable
-        from .run import build_policy
+        from .policy import build_policy
 
         gguf = args.output.lower().endswith(".gguf") and not args.adapter
         if gguf:

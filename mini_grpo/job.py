@@ -156,7 +156,7 @@ def check_resume(run: Run, state: dict, path: str) -> None:
                           + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in fixed)
                           + "; use another out_dir, or resume: never")
     if saved.get("lora_r") or saved.get("adapter"):
-        check_base(state, run.model.lora_base, cfg.init_from, path)
+        check_base(state, run.lora.base if run.lora else None, cfg.init_from, path)
     if state["step"] > cfg.max_steps:
         raise ConfigError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint "
                           f"to resume from ({state['step']}, {path})")

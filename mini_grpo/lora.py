@@ -25,6 +25,7 @@ import json
 import math
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -135,8 +136,6 @@ def apply_lora(model, r: int, alpha: float, dropout: float = 0.0,
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, attr, LoRALinear(linears[name], int(r), float(alpha), dropout))
-    model.lora = {"r": int(r), "alpha": float(alpha), "dropout": float(dropout),
-                  "targets": targets}
     return chosen
 
 
@@ -155,7 +154,41 @@ def store_base_in(model, dtype: torch.dtype) -> None:
 
 def is_lora(model) -> bool:
     """Whether `model` trains LoRA adapters (its checkpoints then hold them alone)."""
-    return getattr(model, "lora", None) is not None
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+@dataclass(frozen=True)
+class LoRAFacts:
+    """What a LoRA policy's checkpoints record and are checked against, in one place: its
+    adapters' options, read off its LoRALinear layers (nothing is stored on the model), and
+    the fingerprint of the base they sit on (checkpoint.check_base; None: not known)."""
+    r: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]  # the adapted layers' short names, in the model's order
+    base: str | None = None
+
+    @classmethod
+    def of(cls, model, base: str | None = None) -> LoRAFacts | None:
+        """The facts of `model`'s adapters; None for a model without any."""
+        mods = lora_modules(model)
+        if not mods:
+            return None
+        m = next(iter(mods.values()))
+        dropout = m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0
+        return cls(int(m.r), float(m.alpha), float(dropout),
+                   tuple(dict.fromkeys(n.rsplit(".", 1)[-1] for n in mods)), base)
+
+    def options(self) -> dict:
+        """As checkpoints store them (their "lora")."""
+        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout,
+                "targets": list(self.targets)}
+
+    def same_options(self, saved) -> bool:
+        """Whether a checkpoint's stored options are these (the targets in any order)."""
+        return isinstance(saved, dict) and isinstance(saved.get("targets"), list) and \
+            {**saved, "targets": sorted(map(str, saved["targets"]))} == \
+            {**self.options(), "targets": sorted(self.targets)}
 
 
 def adapter_keys(state) -> dict:
@@ -223,9 +256,9 @@ def save_adapter(model, directory: str | Path, base_model: str = "",
     temporary directory and renamed, so a kill never leaves half of one."""
     from safetensors.torch import save_file
 
-    info = getattr(model, "lora", None)
+    info = LoRAFacts.of(model)
     mods = lora_modules(model)
-    if not mods or info is None:
+    if info is None:
         raise ValueError("save_adapter: the model has no LoRA adapters")
     state = adapter_keys(model.state_dict() if state is None else state)
     tensors = {}
@@ -233,9 +266,9 @@ def save_adapter(model, directory: str | Path, base_model: str = "",
         for part in ("lora_A", "lora_B"):
             tensors[_peft_key(model, name, part)] = \
                 state[f"{name}.{part}.weight"].detach().to("cpu").contiguous()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["r"],
-              "lora_alpha": info["alpha"], "lora_dropout": info["dropout"],
-              "target_modules": info["targets"], "bias": "none", "inference_mode": True,
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info.r,
+              "lora_alpha": info.alpha, "lora_dropout": info.dropout,
+              "target_modules": list(info.targets), "bias": "none", "inference_mode": True,
               "fan_in_fan_out": model.family == "gpt", "base_model_name_or_path": base_model}
 
     def fill(tmp: Path) -> None:

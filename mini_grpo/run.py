@@ -18,32 +18,22 @@ The reference policy is frozen later, when GRPO starts from whatever SFT left
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import distributed as D
 from . import fsdp
-from .checkpoint import (
-    CheckpointError,
-    base_fingerprint,
-    check_base,
-    check_shapes,
-    load_checkpoint,
-    load_weights,
-)
-from .config import ConfigError, GRPOConfig, load_config
+from .config import ConfigError, GRPOConfig
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .engines.native import NativeEngine
 from .limits import check_lengths, check_step_memory, check_world
 from .logger import RunLogger
-from .lora import adapter_keys, apply_lora, is_lora, load_adapter, store_base_in
-from .models import CausalLM, GPTConfig, build, check_size, model_config, spec
-from .models.gguf import load_gguf
-from .models.hf import load_hf_model
+from .lora import LoRAFacts, is_lora, store_base_in
+from .models import CausalLM, build, spec
+from .policy import build_policy, lora_facts, weights_from_rank0
 from .precision import (
     Precision,
     attention_impl,
@@ -53,16 +43,9 @@ from .precision import (
     setup_backends,
 )
 from .reference import AdaptersOff, Reference
-from .rewards import REWARDS
 from .scoring import RewardScorer
 from .tasks import TaskData, build_task
-from .tokenizer import (
-    CharTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    check_model_vocab,
-    tokenizer_from_state,
-)
+from .tokenizer import CharTokenizer, Tokenizer
 
 
 @dataclass
@@ -82,6 +65,7 @@ class Run:
     reference: Reference | None = None
     # what samples (engines/): GRPO's rollouts, evaluation, RFT's data, `mini-grpo sample`
     engine: Engine | None = None
+    lora: LoRAFacts | None = None  # the policy's adapters and their base (LoRA runs)
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
@@ -132,8 +116,9 @@ class Run:
         model's architecture (models.spec) and, under LoRA, its adapters' options and their
         base's fingerprint (checkpoint.check_base)."""
         return {"config": self.cfg.to_dict(), "tokenizer": self.tok.state(),
-                "model_spec": spec(self.model), "lora": getattr(self.model, "lora", None),
-                "base": getattr(self.model, "lora_base", None)}
+                "model_spec": spec(self.model),
+                "lora": self.lora.options() if self.lora else None,
+                "base": self.lora.base if self.lora else None}
 
     def print0(self, message: str) -> None:
         if self.dist.is_main:
@@ -209,7 +194,8 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
             scorer.close()
         D.cleanup(wait=False)
         raise
-    run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger)
+    run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger,
+              lora=lora_facts(model, cfg))
     try:  # before any work: a model the engine cannot serve is refused here
         run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size)
                                  if longest else None)
@@ -235,188 +221,6 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
 def _fsdp_dtype(precision: Precision) -> torch.dtype | None:
     """bf16 parameters under fsdp when training runs in bf16 (gradients reduced in fp32)."""
     return torch.bfloat16 if precision.dtype == torch.bfloat16 else None
-
-
-def gpt_spec(cfg: GRPOConfig, vocab_size: int) -> dict:
-    """Our GPT from the config's model fields (from-scratch runs, checkpoints without a spec)."""
-    return {"family": "gpt", "config": asdict(GPTConfig(
-        vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))}
-
-
-def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None = None,
-                 meta: bool = False) -> tuple[CausalLM, Tokenizer]:
-    """The policy (on CPU) and its tokenizer: those of `checkpoint` (a loaded state), else of
-    `init_from` (a Hugging Face directory, a GGUF file or one of our checkpoints), else our
-    GPT from the config's fields with the task's alphabet, randomly initialised from the
-    seed; with lora_r (or an adapter) LoRA on top, its base frozen. A LoRA checkpoint holds
-    adapters alone: its base is read from init_from again. `meta`: where `weights_from_rank0`
-    allows, the model without weights, on the meta device."""
-    adapters = checkpoint if checkpoint is not None and checkpoint.get("lora") else None
-    checkpoint = None if adapters else checkpoint  # a LoRA checkpoint's base is init_from's
-    source = "checkpoint"
-    meta = meta and weights_from_rank0(cfg, checkpoint)
-    if checkpoint is None and cfg.init_from and is_gguf(cfg.init_from):
-        model, tok = load_gguf(cfg.init_from, dtype=torch.float32, weights=not meta)
-    elif checkpoint is None and cfg.init_from and is_model_dir(cfg.init_from):
-        model = load_hf_model(cfg.init_from, dtype=torch.float32,  # fp32 master weights
-                              weights=not meta)
-        try:
-            tok = HFTokenizer.from_dir(cfg.init_from)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-        if tok.vocab_size > model.cfg.vocab_size:
-            raise CheckpointError(f"{cfg.init_from}: the tokenizer has {tok.vocab_size} "
-                                  f"tokens, the model's embedding {model.cfg.vocab_size}")
-    else:
-        if checkpoint is None and cfg.init_from:
-            checkpoint, source = load_checkpoint(cfg.init_from), cfg.init_from
-            if checkpoint.get("lora"):
-                raise CheckpointError(f"{source}: a LoRA checkpoint holds its adapters "
-                                      f"alone: start from its base with --init_from=BASE "
-                                      f"--adapter=DIR (a run's <out_dir>/adapter)")
-        tok = CharTokenizer(data.alphabet) if checkpoint is None else \
-            stored_tokenizer(checkpoint, source)
-        spec = checkpoint_spec(checkpoint, cfg, tok, source) if checkpoint else \
-            gpt_spec(cfg, tok.vocab_size)
-        if checkpoint is None:  # a checkpoint's spec is bounded by its weights, ours by memory
-            try:
-                check_size(spec, "n_layer/n_embd/block_size")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        with torch.device("meta") if meta else nullcontext():
-            model = build(spec)
-        if checkpoint is not None:  # names and shapes checked by checkpoint_spec
-            load_weights(checkpoint, model, source=source)
-    try:
-        tok.configure_chat(cfg.chat_template, cfg.system_prompt)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.block_size > model.cfg.block_size:
-        raise ConfigError(f"block_size: {cfg.block_size} exceeds the model's longest "
-                          f"sequence ({model.cfg.block_size})")
-    if cfg.lora_r or cfg.adapter:
-        torch.manual_seed(cfg.seed)  # the same adapters on every rank
-        try:
-            if cfg.adapter:
-                load_adapter(model, cfg.adapter, cfg.lora_r, weights=not meta)
-            else:
-                apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                           cfg.lora_target_modules)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        # the base as its files were when read, recorded in every checkpoint (check_base)
-        model.lora_base = base_fingerprint(cfg.init_from)
-    if adapters is not None:
-        check_base(adapters, model.lora_base, cfg.init_from, "checkpoint")
-        if model.lora != adapters["lora"]:
-            raise CheckpointError(f"checkpoint: its adapters ({adapters['lora']}) are not "
-                                  f"those its config describes ({model.lora})")
-        load_weights(adapters, model)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    return model, tok
-
-
-def weights_from_rank0(cfg: GRPOConfig, checkpoint: dict | None) -> bool:
-    """Whether the policy's first weights are a Hugging Face directory's or a random init's,
-    which under fsdp rank 0 alone reads (or draws) and the others receive in shards (ours:
-    every rank reads them; a sharded one's read is a collective)."""
-    return checkpoint is None and (not cfg.init_from or is_pretrained(cfg.init_from))
-
-
-def is_model_dir(path: str) -> bool:
-    """A Hugging Face model directory (not one of our sharded checkpoints, also directories)."""
-    return Path(path).is_dir() and Path(path).suffix != ".dcp"
-
-
-def is_gguf(path: str) -> bool:
-    """A GGUF file (llama.cpp's format), by its name: `load_gguf` checks what it holds."""
-    return Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir()
-
-
-def is_pretrained(path: str) -> bool:
-    """A pretrained model from outside: a Hugging Face directory or a GGUF file."""
-    return is_model_dir(path) or is_gguf(path)
-
-
-def stored_tokenizer(state: dict, source: str) -> Tokenizer:
-    try:
-        return tokenizer_from_state(state.get("tokenizer"))
-    except ValueError as e:
-        raise CheckpointError(f"{source}: {e}") from None
-
-
-def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -> dict:
-    """The architecture of a checkpoint's model: its stored spec (untrusted: checked, and
-    its layer count compared with the weights before anything is built), or, for one saved
-    before specs were stored, our GPT from the config's fields."""
-    spec = state.get("model_spec") or gpt_spec(cfg, tok.vocab_size)
-    weights = state.get("model")
-    if state.get("sharded"):  # names and shapes from DCP's metadata, nothing read yet
-        weights = {k: torch.empty(s, device="meta")
-                   for k, s in fsdp.sharded_shapes(state["sharded"]).items()}
-    if not isinstance(weights, dict):
-        raise CheckpointError(f"{source}: no model weights")
-    try:
-        n_layer = model_config(spec).n_layer
-        check_model_vocab(tok, model_config(spec).vocab_size)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
-    layers = {k.split(".")[1] for k in weights if k.startswith(("blocks.", "layers."))}
-    if n_layer != len(layers):
-        raise CheckpointError(f"{source}: its model has {n_layer} layers, its weights "
-                              f"{len(layers)}")
-    try:  # sizes no machine holds would overflow even on the meta device
-        check_size(spec, "its model_spec")
-    except ValueError as e:
-        raise CheckpointError(f"{source}: {e}") from None
-    with torch.device("meta"):
-        meta = build(spec)
-    lora = state.get("lora")
-    if lora is not None:  # LoRA's checkpoints hold the adapters alone
-        try:
-            apply_lora(meta, lora["r"], lora["alpha"], lora["dropout"], lora["targets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: its LoRA options are not valid ({e})") from None
-    expected = {k: v.shape for k, v in meta.state_dict().items()}
-    check_shapes(adapter_keys(expected) if lora is not None else expected, weights, source)
-    return spec
-
-
-def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOConfig]:
-    """(state, config) of a checkpoint for `mini-grpo evaluate / sample / rft-generate`.
-
-    The stored config is untrusted input, checked exactly like a user's (unknown keys, bad
-    values: CheckpointError naming the key). Reward plugins it names that mini-grpo does not
-    ship are not imported unless the command line names the rewards itself. The model it
-    describes must match the stored weights' shapes before anything is allocated: the
-    comparison runs on the meta device.
-    """
-    if is_pretrained(path):  # a Hugging Face directory or GGUF: the defaults, its model
-        try:
-            return None, load_config(None, {**overrides, "init_from": path}, env={})
-        except ConfigError as e:
-            raise CheckpointError(str(e)) from None
-    state = load_checkpoint(path)
-    stored = state.get("config")
-    if not isinstance(stored, dict):
-        raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no config)")
-    tok = stored_tokenizer(state, path)
-    try:
-        cfg = load_config(None, overrides, env={}, base=stored, base_where=f"{path}: ")
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    if "rewards" not in overrides:
-        foreign = [r["name"] for r in cfg.rewards or [] if r["name"] not in REWARDS]
-        if foreign:
-            raise CheckpointError(f"{path}: its config names reward plugins mini-grpo does not "
-                                  f"ship ({', '.join(foreign)}); they are not imported from a "
-                                  f"checkpoint: name the rewards yourself, e.g. "
-                                  f"--rewards='[{{name: {foreign[0]}}}]', or --rewards=null "
-                                  f"for the task's defaults")
-    checkpoint_spec(state, cfg, tok, path)  # sharded: the shards are read by build_policy
-    return state, cfg
 
 
 def open_run_dir(cfg: GRPOConfig, tok: Tokenizer) -> RunLogger:

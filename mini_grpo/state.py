@@ -50,11 +50,15 @@ class TrainState:
         the previous stage handed on; `directory`: where save() writes (keeping the newest
         `keep`, 0 = all) and the guard's restore rung reads (None: no restore rung);
         `seed`: this rank's sampling RNG (GRPO)."""
-        cfg, self.run, self.model, self.tag = run.cfg, run, run.model, tag
+        # what it uses of the run, and no more
+        cfg, self.model, self.tag = run.cfg, run.model, tag
+        self.precision, self.device, self.dist = run.precision, run.device, run.dist
+        self.logger, self.grad_clip = run.logger, cfg.grad_clip
+        self.identity = run.identity()  # what every checkpoint carries besides weights
         self.lr, self.total, self.warmup = lr, total, warmup
         self.directory, self.keep = (Path(directory) if directory else None), keep
         self.opt = make_optimizer(run.model, lr, cfg.weight_decay, fused=cfg.fused_optimizer)
-        precision = run.precision
+        precision = self.precision
         uses = precision.dtype is not None or (tag == "grpo" and
                                                precision.generation_dtype is not None)
         self.guard = Guard(cfg.guard_patience, amp=amp, stage=tag.upper(), autocast=uses)
@@ -78,7 +82,7 @@ class TrainState:
 
     def autocast(self, generation: bool = False):
         """The run's autocast for training passes (or sampling), unless the guard cut it."""
-        return self.run.precision.autocast(generation, enabled=self.guard.amp)
+        return self.precision.autocast(generation, enabled=self.guard.amp)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()  # scaled only under fp16
@@ -89,7 +93,7 @@ class TrainState:
         the flags `good` (True when fine) are all finite, then step, or skip and maybe take
         the next rung of the fallback ladder. Returns whether the update went through."""
         self.scaler.unscale_(self.opt)
-        clip = self.run.cfg.grad_clip or float("inf")
+        clip = self.grad_clip or float("inf")
         self.grad_norm = fsdp.clip_grad_norm(self.model.parameters(), clip)
         # with fp16 loss scaling, overflowing gradients are the scaler's to skip
         norm = loss if self.scaler.is_enabled() else self.grad_norm
@@ -112,14 +116,14 @@ class TrainState:
                         f"({self.guard.consecutive} in a row, {self.guard.skipped} in all)")
         # every rank must see the checkpoint (shared storage) for "restore" to be agreed
         mine = float(self.directory is not None and bool(list_checkpoints(self.directory)))
-        have = D.all_reduce_sum(torch.tensor([mine], device=self.run.device)).item() \
-            == self.run.dist.world_size
+        have = D.all_reduce_sum(torch.tensor([mine], device=self.device)).item() \
+            == self.dist.world_size
         amp = self.guard.amp
         what = self.guard.fallback(have, self._restore_newest, where=f"step {step}")
         if what:
             self._say(step, f"fallback after {self.guard.patience} skipped steps: {what}")
         if self.guard.amp != amp:
-            self.scaler = self.run.precision.scaler(self.guard.amp)
+            self.scaler = self.precision.scaler(self.guard.amp)
 
     def _restore_newest(self) -> str:
         """The guard's restore rung: the newest checkpoint's weights and optimizer state."""
@@ -129,10 +133,10 @@ class TrainState:
         return str(path)
 
     def _say(self, step: int, message: str) -> None:
-        if self.run.logger:
-            self.run.logger.event(step, message)
-        elif self.tag != "grpo":
-            self.run.print0(f"[{self.tag}] step {step}: {message}")
+        if self.logger:
+            self.logger.event(step, message)
+        elif self.tag != "grpo" and self.dist.is_main:
+            print(f"[{self.tag}] step {step}: {message}", flush=True)
 
     def metrics(self) -> dict[str, float]:
         g = self.guard
@@ -151,12 +155,13 @@ class TrainState:
         written)."""
         meta = {"kind": self.tag, "step": step, "guard": self.guard.state_dict(),
                 "rng": D.all_gather_object(rng_state(self.gen)),  # every rank's
-                **self.run.identity()}
+                **self.identity}
         if optimizer:
             meta["scaler"] = self.scaler.state_dict()
         if not finite_everywhere(self.model):
-            self.run.print0(f"[mini-grpo] {self.tag} step {step}: parameters are not finite, "
-                            f"checkpoint NOT written")
+            if self.dist.is_main:
+                print(f"[mini-grpo] {self.tag} step {step}: parameters are not finite, "
+                      f"checkpoint NOT written", flush=True)
             return None
         path = save(self.model, self.opt if optimizer else None, meta,
                     directory or self.directory, step, self.keep if keep is None else keep)
@@ -170,9 +175,9 @@ class TrainState:
         load_weights(ckpt, self.model, self.opt, source=source)
         self.weight_version += 1
         self.guard.load_state_dict(ckpt.get("guard", {}))
-        self.scaler = self.run.precision.scaler(self.guard.amp)  # follows the verdict
+        self.scaler = self.precision.scaler(self.guard.amp)  # follows the verdict
         if ckpt.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(ckpt["scaler"])
         rngs = ckpt["rng"]
-        set_rng_state(rngs[min(self.run.dist.rank, len(rngs) - 1)], self.gen)
+        set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)], self.gen)
         self.current_step = ckpt["step"]

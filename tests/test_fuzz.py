@@ -405,7 +405,7 @@ def checkpoint_states(draw, valid: dict) -> dict:
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")  # torch's
 @given(data=st.data())
 def test_checkpoints(checkpoint, tmp_path_factory, data):
-    from mini_grpo.run import build_policy, checkpoint_config
+    from mini_grpo.policy import build_policy, checkpoint_config
 
     path = tmp_path_factory.getbasetemp() / "fuzz.pt"
     if data.draw(st.booleans()):

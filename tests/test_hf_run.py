@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from mini_grpo.checkpoint import CheckpointError, list_checkpoints, load_checkpoint  # noqa: E402
 from mini_grpo.job import train  # noqa: E402
 from mini_grpo.models.hf import load_hf_model  # noqa: E402
-from mini_grpo.run import build_policy  # noqa: E402
+from mini_grpo.policy import build_policy  # noqa: E402
 from mini_grpo.tokenizer import HFTokenizer  # noqa: E402
 
 PROMPT = "e2e4 e7e5 g1f3:"

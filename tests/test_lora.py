@@ -14,6 +14,7 @@ from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 from mini_grpo.job import train
 from mini_grpo.lora import (
     DEFAULT_TARGETS,
+    LoRAFacts,
     adapter_keys,
     adapters_disabled,
     apply_lora,
@@ -291,7 +292,7 @@ def test_a_lora_checkpoint_refuses_a_base_whose_weights_changed(lm_dirs, tmp_pat
     import shutil
 
     from mini_grpo.checkpoint import CheckpointError
-    from mini_grpo.run import build_policy, checkpoint_config
+    from mini_grpo.policy import build_policy, checkpoint_config
 
     lm = tmp_path / "base"
     shutil.copytree(lm_dirs["llama"], lm)
@@ -318,16 +319,16 @@ def test_a_run_continues_from_an_adapter(lm_dirs, tmp_path):
     apply_lora(m, r=4, alpha=8)
     train_step(m)
     save_adapter(m, tmp_path / "adapter")
-    from mini_grpo.run import build_policy
+    from mini_grpo.policy import build_policy
     cfg = tiny(tmp_path / "run", init_from=str(lm), adapter=str(tmp_path / "adapter"),
                block_size=256)
     model, _ = build_policy(cfg, None)
-    assert model.lora["r"] == 4 and torch.equal(logits(model), logits(m))
+    assert LoRAFacts.of(model).r == 4 and torch.equal(logits(model), logits(m))
 
 
 def test_bad_lora_options_are_one_line_and_exit_2(lm_dirs, tmp_path):
     from mini_grpo.config import ConfigError
-    from mini_grpo.run import build_policy
+    from mini_grpo.policy import build_policy
 
     lm = lm_dirs["llama"]
     r = entry("--config", "tiny", "--mode=grpo", f"--init_from={lm}", "--lora_r=4",
@@ -405,3 +406,42 @@ def test_adapter_options_we_do_not_implement_are_refused_naming_the_key(tmp_path
     with pytest.raises(ValueError, match=f"adapter_config.json: {key} .* is not supported"
                        if key != "fan_in_fan_out" else "fan_in_fan_out True does not fit"):
         load_adapter(tiny_llama(), tmp_path / "a")
+
+
+def test_policy_source_and_lora_facts(lm_dirs, tmp_path):
+    """Where the weights come from is one value (PolicySource), and a LoRA policy's facts
+    are read off its layers (LoRAFacts), not stored on the model."""
+    from conftest import tiny
+
+    from mini_grpo.checkpoint import CheckpointError
+    from mini_grpo.policy import PolicySource, build_policy
+    from mini_grpo.tasks import build_task
+
+    lm = str(lm_dirs["qwen2"])
+    scratch = PolicySource.of(tiny(None))
+    assert (scratch.kind, scratch.state, scratch.adapters) == ("scratch", None, None)
+    hf = PolicySource.of(tiny(None, init_from=lm, block_size=256))
+    assert (hf.kind, hf.path) == ("hf", lm) and hf.from_rank0
+    assert PolicySource.of(tiny(None, init_from=str(tmp_path / "m.gguf"))).kind == "gguf"
+    ours = {"model": {}, "config": {}}
+    given = PolicySource.of(tiny(None), ours)  # a command's checkpoint: its own weights
+    assert given.kind == "checkpoint" and given.state is ours and not given.from_rank0
+    adapters = {"model": {}, "lora": {"r": 4}}  # a LoRA checkpoint: on init_from's base
+    on_base = PolicySource.of(tiny(None, init_from=lm, block_size=256), adapters)
+    assert on_base.kind == "hf" and on_base.adapters is adapters and on_base.state is None
+    torch.save({"lora": {"r": 4}, "model": {}}, tmp_path / "lora.pt")
+    with pytest.raises(CheckpointError, match="holds its adapters alone"):
+        PolicySource.of(tiny(None, init_from=str(tmp_path / "lora.pt")))
+
+    cfg = tiny(None, init_from=lm, block_size=256, lora_r=4, lora_alpha=8,
+               lora_target_modules=["v_proj", "q_proj"])
+    model, _ = build_policy(cfg, None)
+    assert not hasattr(model, "lora") and not hasattr(model, "lora_base")
+    facts = LoRAFacts.of(model)
+    assert (facts.r, facts.alpha, facts.targets) == (4, 8.0, ("q_proj", "v_proj"))
+    assert facts.same_options({"r": 4, "alpha": 8.0, "dropout": 0.0,
+                               "targets": ["v_proj", "q_proj"]})  # as the config listed them
+    assert not facts.same_options({"r": 8, "alpha": 8.0, "dropout": 0.0,
+                                   "targets": ["q_proj", "v_proj"]})
+    plain, _ = build_policy(tiny(None), build_task(tiny(None)))
+    assert LoRAFacts.of(plain) is None

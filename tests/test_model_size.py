@@ -15,7 +15,7 @@ from mini_grpo import models, run
 from mini_grpo.checkpoint import CheckpointError
 from mini_grpo.config import ConfigError, load_config
 from mini_grpo.models import GPTConfig, LlamaConfig, build, check_size
-from mini_grpo.run import build_policy, gpt_spec
+from mini_grpo.policy import build_policy, gpt_spec
 
 GIB = 2**30
 

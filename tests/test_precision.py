@@ -12,8 +12,8 @@ from mini_grpo.checkpoint import latest_checkpoint
 from mini_grpo.config import load_config
 from mini_grpo.job import train
 from mini_grpo.models import build
+from mini_grpo.policy import gpt_spec
 from mini_grpo.precision import compile_with_fallback, resolve_precision
-from mini_grpo.run import gpt_spec
 
 
 def sft_losses(out_dir, steps=16, **kw):

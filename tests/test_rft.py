@@ -10,8 +10,9 @@ import pytest
 
 from mini_grpo.config import load_config
 from mini_grpo.job import train
+from mini_grpo.policy import checkpoint_config
 from mini_grpo.rft import generate_rft_data
-from mini_grpo.run import checkpoint_config, setup
+from mini_grpo.run import setup
 from mini_grpo.tasks import load_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent

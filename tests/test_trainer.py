@@ -33,7 +33,7 @@ def test_few_steps_change_parameters_and_reproduce(tmp_path):
     assert sa["step"] == 2
     torch.manual_seed(a.seed)  # the initial weights, as the trainer builds them
     from mini_grpo.models import build
-    from mini_grpo.run import gpt_spec
+    from mini_grpo.policy import gpt_spec
     init = build(gpt_spec(a, len(sa["tokenizer"]) + 4)).state_dict()
     moved = [k for k in init if not torch.equal(init[k], sa["model"][k])]
     assert moved, "no parameter changed"

@@ -266,7 +266,7 @@ def tiny_checkpoint() -> dict:
     from conftest import tiny
 
     from mini_grpo.models import build, spec
-    from mini_grpo.run import gpt_spec
+    from mini_grpo.policy import gpt_spec
     from mini_grpo.tasks.chess_fen import ALPHABET
 
     cfg, tok = tiny(None, mode="sft"), CharTokenizer(ALPHABET)
@@ -352,7 +352,7 @@ def saved(tmp_path, **changes):
 
 
 def open_checkpoint(path):
-    from mini_grpo.run import build_policy, checkpoint_config
+    from mini_grpo.policy import build_policy, checkpoint_config
 
     state, cfg = checkpoint_config(str(path), {"rewards": "null"})
     return build_policy(cfg, None, state)

@@ -130,7 +130,7 @@ def _rft_rates(run, engines: dict, train: list, repeats: int) -> dict:
                         rates.setdefault(name, []).append(out["completions_per_s"])
     finally:
         run.engine = own
-    return {"prompts": len(examples), "oversample": cfg.rft_oversample,
+    return {"prompts": len({ex.prompt for ex in examples}), "oversample": cfg.rft_oversample,
             "prompts_per_batch": cfg.rft_prompts_per_batch,
             "completions_per_s": {k: statistics.median(v) for k, v in rates.items()},
             "runs_completions_per_s": rates}
