@@ -3,15 +3,17 @@
     with setup(cfg) as run:            # train (job.py), benchmark.py
         train_grpo(run)
     with setup(cfg, checkpoint=state, log=False) as run:   # mini-grpo evaluate / rft-generate
+        run.sync_engine()
         evaluate(run, greedy=True)
 
 Order: distributed init -> checks that need the world size -> device, threads, allocator ->
 task (its data) -> reward scorer (bad plugin names fail here, before any model is built) ->
-policy and tokenizer (a given checkpoint's, else `init_from`'s: a Hugging Face directory or
-one of our checkpoints, else our GPT from the config's fields, randomly initialised from the
-seed, identical on every rank, with the task's alphabet; shapes checked before anything is
-allocated) -> length check -> precision (with its probe for `auto`) -> the trained form
-(sharded under fsdp, compiled, DDP under torchrun) -> logger (rank 0 of a training run).
+policy and tokenizer (policy.build_policy: a given checkpoint's, else `init_from`'s, else our
+GPT from the config's fields, randomly initialised from the seed, identical on every rank,
+with the task's alphabet; shapes checked before anything is allocated) -> length check ->
+precision (with its probe for `auto`) -> the trained form (sharded under fsdp, compiled, DDP
+under torchrun) -> logger (rank 0 of a training run) -> the engine every sampler goes
+through (`Run.sampler`; it serves the weights of its last `Run.sync_engine`).
 The reference policy is frozen later, when GRPO starts from whatever SFT left
 (`Run.freeze_reference`). `close()` undoes it all in reverse.
 """
@@ -165,6 +167,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         from_rank0 = sharded and weights_from_rank0(cfg, checkpoint)
         model, tok = build_policy(cfg, data, checkpoint, meta=from_rank0 and not dist.is_main
                                   and device.type != "cpu")
+        lora = lora_facts(model, cfg)
         if not sharded:  # under fsdp each block goes to the device as it is sharded, so the
             model.to(device)  # device never holds the whole model
         longest = check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval]) \
@@ -195,7 +198,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         D.cleanup(wait=False)
         raise
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger,
-              lora=lora_facts(model, cfg))
+              lora=lora)
     try:  # before any work: a model the engine cannot serve is refused here
         run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size)
                                  if longest else None)
