@@ -161,15 +161,8 @@ def load_weights(checkpoint: dict, model: torch.nn.Module,
 
 def weights_kept(model: torch.nn.Module):
     """Which weights a checkpoint keeps, as a test on the name: all of them, or with LoRA
-    the adapters alone (the frozen base is init_from's, read from there). The model is
-    looked at on the first call."""
-    adapted: list[bool] = []
-
-    def kept(name: str) -> bool:
-        if not adapted:
-            adapted.append(_adapted(model) is not None)
-        return not adapted[0] or ".lora_" in name
-    return kept
+    the adapters alone (the frozen base is init_from's, read from there)."""
+    return (lambda k: ".lora_" in k) if _adapted(model) else (lambda k: True)
 
 
 def _adapted(model: torch.nn.Module) -> tuple[int, list[str]] | None:

@@ -302,6 +302,7 @@ def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_directory(tmp_p
 
     monkeypatch.setattr(C.fsdp, "write_shards", full)
     with pytest.raises(CheckpointWriteError, match="step_0000003.dcp: disk full"):
-        C._save_sharded(None, None, {"kind": "grpo", "step": 3}, tmp_path, 3, keep=1)
+        C._save_sharded(torch.nn.Linear(2, 2), None, {"kind": "grpo", "step": 3}, tmp_path, 3,
+                        keep=1)
     assert sorted(os.listdir(tmp_path)) == ["step_0000002.dcp"]
     assert load_checkpoint(tmp_path / "step_0000002.dcp")["step"] == 2
