@@ -57,7 +57,7 @@ def train(cfg) -> dict:
             amp = train_sft(run, amp=amp)
         result = {}
         if "rft" in stages:
-            run.sync_engine()  # the engine samples what SFT (or init_from) left
+            run.sync_engine()  # what SFT (or init_from) left: the evaluation's and RFT's
             with fsdp.full_params(run.model):  # every rank gathers, rank 0 evaluates
                 if run.dist.is_main:
                     result = saved_evals(run) if resume is not None else {}
@@ -187,12 +187,12 @@ def saved_evals(run: Run) -> dict:
 
 
 def run_rft(run: Run, amp: bool) -> bool:
-    """Rejection sampling from the current model, then SFT on the accepted completions;
-    returns the SFT's autocast verdict."""
+    """Rejection sampling from the current model (the engine synced with it by `train`,
+    before the evaluation ahead of RFT), then SFT on the accepted completions; returns the
+    SFT's autocast verdict."""
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = Path(cfg.out_dir) / "rft" / "data.jsonl"
-    run.sync_engine()
     with fsdp.full_params(run.model):  # each rank samples alone
         # the run's own directory: data of other settings there is regenerated, not refused
         generate_rft_data(run, examples, data, amp, replace_stale=True)
