@@ -33,16 +33,13 @@ from .task_registry import MAX_GENERATED, resolve_task_args
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-
 TRACKERS = ("tensorboard", "wandb")  # report_to: where metrics go beside metrics.jsonl
 
 
 @dataclass
 class GRPOConfig:
-    # Each field: opt(default, roles, range check, env=its environment variable). Roles
-    # (options.ROLES): sft / rft_data / rft shape those stages (a saved one made with another
-    # value is not reused), resume / resume_lora are fixed on resume, loss is a LossSettings
-    # field, grpo shapes GRPO's updates, run says how and where the job runs.
+    # Each field: opt(default, roles, range check, env=its environment variable); what each
+    # role means (a stage it shapes, fixed on resume, a loss setting): options.ROLES.
 
     # ---- run ----
     # run directory: config.yaml, metrics.jsonl, tb/, checkpoints/
@@ -131,8 +128,7 @@ class GRPOConfig:
     # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
     vllm_mode: Literal["colocate", "server"] = opt("colocate", "run")
     vllm_server_url: str = opt("http://127.0.0.1:8000", "run")
-    # seconds for one request or weight push
-    vllm_server_timeout: float = opt(600.0, "run", "> 0")
+    vllm_server_timeout: float = opt(600.0, "run", "> 0")  # seconds for one request or weight push
     # auto: bf16 on GPUs
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
     # on a GPU: its share for the engine
@@ -148,8 +144,7 @@ class GRPOConfig:
     vllm_is_cap: float = opt(2.0, "loss", ">= 0")
 
     # ---- GRPO ----
-    # ~1.4 s per step on 2 CPU cores with the default model
-    max_steps: int = opt(150, "grpo", "> 0", env="MAX_STEPS")
+    max_steps: int = opt(150, "grpo", "> 0", env="MAX_STEPS")  # GRPO steps
     # global batch of prompts; each gets group_size completions
     prompts_per_step: int = opt(16, "grpo", "> 0", at_most=MAX_GENERATED)
     # G completions per prompt (at least 2: advantages compare within a group)
@@ -157,8 +152,7 @@ class GRPOConfig:
     # rows per forward/backward, in whole groups (at least one)
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
     num_iterations: int = opt(1, "grpo", "> 0")  # policy passes per rollout
-    # 1e-4 drove KL to ~0.2 and left the greedy reward flat
-    lr: float = opt(3e-5, "grpo", ">= 0")
+    lr: float = opt(3e-5, "grpo", ">= 0")  # 1e-4 drove KL to ~0.2 and left the greedy reward flat
     weight_decay: float = opt(0.0, "sft grpo", ">= 0")
     warmup_steps: int = opt(10, "sft grpo", ">= 0")
     grad_clip: float = opt(1.0, "sft grpo", ">= 0")
@@ -167,8 +161,7 @@ class GRPOConfig:
     epsilon_high: float = opt(0.28, "loss", ">= 0")  # DAPO clip-higher
     scale_rewards: Literal["group", "batch", "none"] = opt("group", "grpo")
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
-    # drop groups whose rewards are all equal
-    dynamic_sampling: bool = opt(False, "grpo")
+    dynamic_sampling: bool = opt(False, "grpo")  # drop groups whose rewards are all equal
     # rows that hit max_new_tokens without EOS carry no loss (DAPO); see overlong_penalty
     mask_truncated: bool = opt(False, "grpo")
 
@@ -185,8 +178,7 @@ class GRPOConfig:
     # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
     # the 2-core CPU (docs/guide.md's RFT table); GPUs want far larger passes
     rft_prompts_per_batch: int = opt(8, "run", "> 0", at_most=MAX_GENERATED)
-    # keep a completion only at or above this reward
-    rft_min_reward: float = opt(0.9, "rft_data")
+    rft_min_reward: float = opt(0.9, "rft_data")  # keep a completion only at or above this reward
     # per prompt: the best one, or every distinct one
     rft_keep: Literal["best", "all"] = opt("best", "rft_data")
     # distinct training prompts to generate for (0 = the split)
@@ -225,8 +217,7 @@ class GRPOConfig:
     # autocast while sampling; auto = follow use_amp, and on a CPU the probe's faster of the
     # two (Zen4 sampled 1.5x slower in bf16, 1.31 vs 0.85 s per step; AMX faster)
     generation_amp: Literal["auto", "on", "off"] = opt("auto", "run")
-    # TF32 matmuls on Ampere+; no-op elsewhere
-    use_tf32: bool = opt(True, "run", env="USE_TF32")
+    use_tf32: bool = opt(True, "run", env="USE_TF32")  # TF32 matmuls on Ampere+; no-op elsewhere
     # ~30 s cold start; on the 2-core CPU the compiled policy update ran 2.5x slower than
     # eager (1.52 vs 0.61 s, after 4 warm-up steps): meant for GPUs
     compile_model: bool = opt(False, "run", env="COMPILE_MODEL")
@@ -307,13 +298,12 @@ class GRPOConfig:
         write_file(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-# Environment variables that switch features, from the fields' declarations; README's table
-# is generated from the same (config_help.env_table, tests/test_config.py).
+# environment variables: the fields' env= (README's table is config_help.env_table's)
 LEGACY_ENV = {"PARALLEL_REWARDS": "parallel_rewards"}  # false = reward_executor serial
 ENV_VARS: dict[str, str] = {**env_vars(GRPOConfig), **LEGACY_ENV}
 
-_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-_TYPES = typing.get_type_hints(GRPOConfig)
+FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+TYPES = typing.get_type_hints(GRPOConfig)
 
 
 def _check_rewards(rewards: Any) -> None:
@@ -336,7 +326,7 @@ def _unknown_key(key: str, where: str) -> ConfigError:
     if key in LEGACY_TASK_ARGS:
         return ConfigError(f"{where}{key}: moved into the task's arguments: write "
                            f"task_args: {{{key}: ...}} in YAML, or --task_args.{key}=...")
-    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+    close = difflib.get_close_matches(key, list(FIELDS), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"{where}unknown key '{key}'{hint}")
 
@@ -384,25 +374,25 @@ class _Layers:
             return
         if key == "parallel_rewards":
             on = coerce(key, value, bool, where)
-            current = self.values.get("reward_executor", _FIELDS["reward_executor"].default)
+            current = self.values.get("reward_executor", FIELDS["reward_executor"].default)
             self.values["reward_executor"] = ("process" if current == "serial" else current) \
                 if on else "serial"
             self.where["reward_executor"] = where
             return
-        if key not in _FIELDS:
+        if key not in FIELDS:
             raise _unknown_key(key, where)
-        self.values[key] = coerce(key, value, _TYPES[key], where)
+        self.values[key] = coerce(key, value, TYPES[key], where)
         self.where[key] = where
 
     def end_layer(self, layer: str) -> None:
-        task = self.values.get("task", _FIELDS["task"].default)
+        task = self.values.get("task", FIELDS["task"].default)
         self.args.update({k: (v, where, layer, task) for k, (v, where) in self.pending.items()})
         self.pending = {}
 
     def task_args(self) -> tuple[dict[str, Any], dict[str, str], list[str]]:
         """(task_args, where each was set, notes): those of layers whose task is the final
         one; one note per layer whose task_args were for another task."""
-        final = self.values.get("task", _FIELDS["task"].default)
+        final = self.values.get("task", FIELDS["task"].default)
         args, where, dropped = {}, {}, {}
         for key, (value, at, layer, task) in self.args.items():
             if task == final:

@@ -8,18 +8,15 @@ the dataclass's `# ---- section ----` lines, so neither can drift from the field
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 import sys
 import textwrap
 import typing
 
-from .config import ENV_VARS, LEGACY_ENV, GRPOConfig
+from .config import ENV_VARS, FIELDS, LEGACY_ENV, TYPES, GRPOConfig
 from .options import default_of
 
-FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-_TYPES = typing.get_type_hints(GRPOConfig)
 ENV_VARS_OF = {field: f"env {var}" for var, field in ENV_VARS.items() if var not in LEGACY_ENV}
 
 
@@ -43,7 +40,7 @@ def _comments() -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _kind(name: str) -> str:
-    tp = _TYPES[name]
+    tp = TYPES[name]
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(typing.get_args(tp))
     return re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(tp)).replace("NoneType", "None")
@@ -97,7 +94,7 @@ def env_table() -> str:
             rows.append(f"| `{var}` | `reward_executor` | false = serial; true = a pool "
                         f"(process unless thread is set) | |")
             continue
-        tp = _TYPES[name]
+        tp = TYPES[name]
         values = "true/false (also 1/0, yes/no, on/off)" if tp is bool else \
             ", ".join(typing.get_args(tp)) if typing.get_origin(tp) is typing.Literal else \
             " ".join(x for x in (_kind(name), _range(name)) if x)
