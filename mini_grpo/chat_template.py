@@ -33,7 +33,7 @@ import re
 import threading
 import time
 import traceback
-from functools import wraps
+from functools import cache, wraps
 from typing import Any
 
 from .fields import ConfigError
@@ -339,20 +339,15 @@ class _Refusal(Exception):
     """raise_exception(message): the template refuses the conversation."""
 
 
-_ENV = None
-
-
+@cache
 def _environment():
     """The sandbox, built once: transformers' environment with the bounds above."""
-    global _ENV
-    if _ENV is not None:
-        return _ENV
     from jinja2 import nodes, pass_context
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
-    def compared(expr):
-        return nodes.Filter(expr, "_compared", [], [], None, None, lineno=expr.lineno)
+    def filtered(expr, name: str, lineno: int | None = None):  # `expr | name`: a bound
+        return nodes.Filter(expr, name, [], [], None, None, lineno=lineno or expr.lineno)
 
     class _Bounds(NodeTransformer):
         """Rewrites a parsed template: every loop ticks, `~` is estimated before it runs,
@@ -360,34 +355,32 @@ def _environment():
 
         def visit_For(self, node):
             self.generic_visit(node)
-            node.iter = nodes.Filter(node.iter, "_loop", [], [], None, None, lineno=node.lineno)
+            node.iter = filtered(node.iter, "_loop", node.lineno)
             return node
 
         def visit_Concat(self, node):
             self.generic_visit(node)
-            return nodes.Filter(nodes.List(node.nodes, lineno=node.lineno), "_concat", [], [],
-                                None, None, lineno=node.lineno)
+            return filtered(nodes.List(node.nodes, lineno=node.lineno), "_concat")
 
         def visit_Getitem(self, node):  # a slice copies, outside the sandbox's getitem
             self.generic_visit(node)
-            if not isinstance(node.arg, nodes.Slice):
-                return node
-            return nodes.Filter(node, "_sliced", [], [], None, None, lineno=node.lineno)
+            return filtered(node, "_sliced") if isinstance(node.arg, nodes.Slice) else node
 
         def visit_TemplateData(self, node):
             return nodes.Const(node.data, lineno=node.lineno)
 
         def visit_Compare(self, node):  # ==, <, in ...: each side walked at most MAX_CHARS
             self.generic_visit(node)
-            node.expr = compared(node.expr)
+            node.expr = filtered(node.expr, "_compared")
             for operand in node.ops:
-                operand.expr = compared(operand.expr)
+                operand.expr = filtered(operand.expr, "_compared")
             return node
 
         def visit_Test(self, node):  # `a is eq b`, `a is in b`: the same, as tests
             self.generic_visit(node)
             if node.name in _COMPARING_TESTS:
-                node.node, node.args = compared(node.node), [compared(a) for a in node.args]
+                node.node = filtered(node.node, "_compared")
+                node.args = [filtered(a, "_compared") for a in node.args]
             return node
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -448,6 +441,5 @@ def _environment():
     del env.globals["lipsum"]
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    _ENV = env
     return env
 
