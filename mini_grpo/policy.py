@@ -172,8 +172,10 @@ def lora_facts(model: CausalLM, cfg: GRPOConfig) -> LoRAFacts | None:
 
 
 def weights_from_rank0(cfg: GRPOConfig, checkpoint: dict | None) -> bool:
-    """PolicySource.from_rank0 without loading anything: no checkpoint given, and init_from
-    a pretrained model or nothing."""
+    """Whether under fsdp rank 0 alone reads (or draws) the first weights, decided before
+    anything is loaded: no checkpoint given (a LoRA checkpoint's adapters, unlike
+    PolicySource.from_rank0 for its base, go into every rank's full model), and init_from a
+    pretrained model or nothing."""
     return checkpoint is None and (not cfg.init_from or is_pretrained(cfg.init_from))
 
 
