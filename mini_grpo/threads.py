@@ -27,14 +27,17 @@ class DaemonThreadPool(Executor):
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                self._running[future] = threading.current_thread()
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:  # KeyboardInterrupt too: the caller decides
-                    future.set_exception(e)
-                finally:
-                    del self._running[future]
+            # known as running before it can run: a caller that fails to cancel a future
+            # (cancel() is False once it runs) always finds its thread
+            self._running[future] = threading.current_thread()
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as e:  # KeyboardInterrupt too: the caller decides
+                        future.set_exception(e)
+            finally:
+                del self._running[future]
 
     def submit(self, fn, /, *args) -> Future:
         future: Future = Future()
@@ -42,7 +45,8 @@ class DaemonThreadPool(Executor):
         return future
 
     def thread_of(self, future: Future) -> threading.Thread | None:
-        """The thread running `future`'s call, None when the call is not under way."""
+        """The thread running `future`'s call, None when the call is not under way. Cancel the
+        future first: when cancel() fails, the call has started and this finds its thread."""
         return self._running.get(future)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
