@@ -10,7 +10,8 @@ are no-ops on a model that is not sharded (one process, or DDP):
     write_shards / read_shards / sharded_shapes
                                DCP's shards of the weights and optimizer state, resharded on
                                load onto any number of ranks (checkpoint.py names the
-                               directories and owns both checkpoint forms)
+                               directories and owns both checkpoint forms); DCP's `.metadata`
+                               pickle is read by an allowlist (`safe_reader`), never plainly
     load_optimizer_state       a one-file (one process, DDP) optimizer state into shards
     model_state / load_model_state
                                full (unsharded) state dicts: the export, the offloaded reference
@@ -26,6 +27,8 @@ Sampling does not: `full_params` unshards once per rollout, not once per decoded
 
 from __future__ import annotations
 
+import functools
+import pickle
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -291,7 +294,7 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
     )
 
     state = _sharded_state(model, opt, keep)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), storage_reader=safe_reader(path))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optim"])
@@ -300,9 +303,7 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
 def check_shards(path) -> None:
     """Every byte range the metadata of sharded checkpoint `path` names is in its files: a
     deleted or truncated shard is a ValueError naming it (DCP would trace back mid-load)."""
-    import torch.distributed.checkpoint as dcp
-
-    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    storage = safe_reader(path).read_metadata().storage_data
     ends: dict[str, int] = {}
     for info in (storage or {}).values():
         name = str(info.relative_path)
@@ -320,8 +321,60 @@ def check_shards(path) -> None:
 
 def sharded_shapes(path) -> dict[str, torch.Size]:
     """{weight name: shape} of a sharded checkpoint's model, from its metadata alone."""
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = safe_reader(path).read_metadata().state_dict_metadata
     return {k.removeprefix("model."): v.size for k, v in meta.items()
             if k.startswith("model.") and hasattr(v, "size")}
+
+
+# DCP writes its index (`.metadata`) as a plain pickle and reads it back with pickle.load, which
+# runs whatever code a crafted file names. A checkpoint directory is untrusted input: the index
+# is read here with only the classes DCP's own index is made of.
+MAX_DCP_METADATA = 1 << 28  # bytes; the index of a 70B model's sharded state is a few MiB
+_DCP_METADATA_CLASSES = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                         "_MEM_FORMAT_ENCODING"}
+_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = (module == "torch.distributed.checkpoint.metadata"
+                   and name in _DCP_METADATA_CLASSES
+                   or (module, name) in {("torch.distributed.checkpoint.filesystem",
+                                          "_StorageInfo"), ("torch", "Size"),
+                                         ("torch.serialization", "_get_layout")}
+                   or module == "pathlib" and name in _PATHS
+                   or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is not part "
+                                         f"of a DCP index and is never unpickled")
+        return super().find_class(module, name)
+
+
+def safe_reader(path):
+    """DCP's FileSystemReader for directory `path`, reading `.metadata` by the allowlist."""
+    return _safe_reader_class()(str(path))
+
+
+@functools.cache
+def _safe_reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            rank = kwargs.get("rank")
+            path = Path(str(self.path)) / (".metadata" if rank is None else f"__{rank}.metadata")
+            if path.stat().st_size > MAX_DCP_METADATA:
+                raise ValueError(f"{path.name} is {path.stat().st_size} bytes, beyond the "
+                                 f"{MAX_DCP_METADATA} of any DCP index")
+            with open(path, "rb") as f:
+                meta = _IndexUnpickler(f).load()
+            if not isinstance(meta, Metadata):
+                raise ValueError(f"{path.name} holds a {type(meta).__name__}, not DCP's index")
+            if getattr(meta, "storage_meta", None) is None:  # as FileSystemReader does
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return SafeReader

@@ -1,6 +1,7 @@
 import errno
 import io
 import os
+import re
 import stat
 
 import pytest
@@ -289,6 +290,46 @@ def test_a_sharded_checkpoint_missing_a_shard_is_skipped_not_a_traceback(tmp_pat
     with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
         found, st = latest_checkpoint(tmp_path)
     assert found.name == "step_0000002.pt" and st["step"] == 2
+
+
+class Boom:
+    """A pickle that runs a command when loaded plainly (pickle.load): it names os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("index, why", [
+    ("code", "names posix.system, which is not part of a DCP index and is never unpickled"),
+    ("dict", "holds a dict, not DCP's index"),
+    ("huge", r"\.metadata is \d+ bytes, beyond the 100 of any DCP index")])
+def test_a_sharded_checkpoints_index_is_read_by_an_allowlist_never_run(tmp_path, monkeypatch,
+                                                                        index, why):
+    """DCP's `.metadata` is a pickle (torch reads it with pickle.load): a crafted one is
+    refused with a one-line error, and the code it names never runs."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from mini_grpo import fsdp
+    path = sharded(tmp_path, 3)
+    assert fsdp.sharded_shapes(path) == {"w": torch.Size([64, 64])}  # DCP's own index reads
+    marker = tmp_path / "ran"
+    if index == "huge":
+        monkeypatch.setattr(fsdp, "MAX_DCP_METADATA", 100)
+    else:
+        (path / ".metadata").write_bytes(pickle.dumps(Boom(marker) if index == "code" else {}))
+    with pytest.raises(CheckpointError, match=why) as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value) and not marker.exists()
+    with pytest.raises(BaseException) as e:  # DCP: a CheckpointException (BaseException)
+        dcp.load({"model": {"w": torch.empty(64, 64)}}, storage_reader=fsdp.safe_reader(path))
+    failures = getattr(e.value, "failures", {})  # {rank: error}; the reader read_shards uses
+    assert re.search(why, " ".join(map(str, [e.value, *failures.values()])))
+    assert not marker.exists()
 
 
 def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_directory(tmp_path,
