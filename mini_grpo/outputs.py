@@ -118,6 +118,7 @@ def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], No
         tmp.mkdir()
         fill(tmp)
         (tmp / MARKER).write_text("written by mini-grpo: it may replace this directory\n")
+        _as_umask_gives(tmp, (tmp / MARKER).stat().st_mode & 0o777)
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
@@ -130,6 +131,15 @@ def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], No
         raise
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _as_umask_gives(directory: Path, mode: int) -> None:
+    """Every file under `directory` gets `mode` (a plain file's, as the user's umask gives):
+    safetensors writes its files readable by their owner alone (0600), which a model directory
+    meant for sharing must not be."""
+    for f in directory.rglob("*"):
+        if f.is_file() and not f.is_symlink() and f.stat().st_mode & 0o777 != mode:
+            f.chmod(mode)
 
 
 class LineFile:

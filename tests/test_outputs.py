@@ -20,6 +20,28 @@ def write_model(tmp):
     (tmp / "model.bin").write_text("new")
 
 
+
+def test_files_a_library_writes_private_get_the_mode_the_umask_gives(tmp_path):
+    """safetensors writes 0600: an exported model directory is readable as the user's other
+    files are (0644 under umask 022, 0600 under 077)."""
+    import torch
+    from safetensors.torch import save_file
+
+    def fill(tmp):
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "tokenizer.json").write_text("{}")
+
+    for umask in (0o022, 0o077):
+        old = os.umask(umask)
+        try:
+            out = replace_dir(tmp_path / f"out{umask:o}", OWNED, fill)
+        finally:
+            os.umask(old)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+        assert modes == dict.fromkeys(["model.safetensors", "tokenizer.json", MARKER],
+                                      0o666 & ~umask), modes
+
 def run_dir(path):
     """What a training run leaves: the files export must never take."""
     (path / "checkpoints").mkdir(parents=True)
