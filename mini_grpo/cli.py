@@ -323,13 +323,13 @@ def _check_gguf_output(output: str):
     from pathlib import Path
 
     from .models.gguf import is_our_gguf
+    from .outputs import check_parent
 
     out = Path(output)
     if out.exists() and not is_our_gguf(out):
         raise ConfigError(f"--output {output}: exists and is not a GGUF file mini-grpo wrote; "
                           f"not overwritten (remove it, or choose another name)")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--output {output}: its directory {out.parent} does not exist")
+    check_parent(out)  # missing directories are made, as for a directory export
     return out
 
 

@@ -157,6 +157,10 @@ def test_commands_never_overwrite_what_they_did_not_write(tmp_path):
     assert (out / "notes.txt").read_text() == "added to an earlier import"
     r = cli("import-gguf", file, tmp_path / "missing" / "out")  # parents made, as mkdir -p
     assert r.returncode == 0 and (tmp_path / "missing" / "out" / "config.json").is_file()
+    r = cli("export", "--checkpoint", file, "--output", tmp_path / "new" / "dir" / "x.gguf")
+    assert r.returncode == 0 and read_gguf(tmp_path / "new" / "dir" / "x.gguf").tensors, r.stderr
+    r = cli("export", "--checkpoint", file, "--output", notes / "x.gguf")  # a file in the way
+    assert r.returncode == 2 and f"{notes} is not a directory" in r.stderr, r.stderr
 
 
 def edit(raw: bytes, old: bytes, new: bytes) -> bytes:

@@ -426,6 +426,7 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         else:
             w.add_tensor(_theirs(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
