@@ -10,7 +10,7 @@
     mini-grpo export --checkpoint PATH --output DIR --adapter   # a LoRA run's adapter alone
     mini-grpo export --checkpoint PATH --output X.gguf [--gguf_type f16|bf16|q8_0|f32]
     mini-grpo import-gguf MODEL.gguf DIR [--dtype float32]   # a GGUF file as a HF directory
-    mini-grpo vllm-serve --model DIR [--port 8000]  # rollouts for vllm_mode: server (vLLM)
+    mini-grpo vllm-serve --model DIR|X.gguf [--port 8000]  # rollouts for vllm_mode: server
 
 A checkpoint is one of ours (a .pt file), a local Hugging Face model directory or a GGUF file.
 

@@ -184,8 +184,14 @@ def test_server_mode_trains_and_a_dead_server_ends_the_run_resumably(tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert url in last and "vLLM server" in last, last
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001.pt"]
-    # another server, its engine split over 2 worker processes: the run resumes from step 1
-    with vllm_server(lm, "--tensor_parallel_size=2") as (url, _):
+    # another server, its engine split over 2 worker processes and its shapes read from the
+    # model's GGUF file (which states head_dim, where the directory leaves it out): the run
+    # resumes from step 1
+    from mini_grpo.models.gguf import write_gguf
+    from mini_grpo.models.hf import load_hf_model
+    from mini_grpo.tokenizer import HFTokenizer
+    gguf = write_gguf(load_hf_model(lm), HFTokenizer.from_dir(lm), tmp_path / "lm.gguf", "f32")
+    with vllm_server(gguf, "--tensor_parallel_size=2") as (url, _):
         r = entry(*args, f"--vllm_server_url={url}", timeout=600)
         assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     rows = [m for m in metrics(out) if "engine/logp_diff" in m]

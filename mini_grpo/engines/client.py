@@ -45,6 +45,20 @@ if TYPE_CHECKING:
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
               "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
               "intermediate_size", "n_inner", "head_dim")
+
+
+def shapes(config: dict) -> dict:
+    """The SHAPE_KEYS of a config.json, with the sizes HF implies when a key is absent (a GGUF
+    file's config states head_dim and num_key_value_heads; a directory's may leave them out)."""
+    out = {k: config.get(k) for k in SHAPE_KEYS}
+    heads, width = out["num_attention_heads"], out["hidden_size"]
+    if out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = heads
+    if out["head_dim"] is None and isinstance(heads, int) and isinstance(width, int) and heads:
+        out["head_dim"] = width // heads
+    return out
+
+
 MAX_REPLY_BYTES = 1 << 28  # a rollout of thousands of rows is a few MB of JSON
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -72,12 +86,12 @@ class ServerEngine:
             raise bad(f"dtype {repr(info.get('dtype'))[:40]}, not one of {', '.join(DTYPES)}")
         if info.get("device") not in ("cpu", "cuda"):
             raise bad(f"device {repr(info.get('device'))[:40]}")
-        ours = engine_config(run.model, torch.float32)
+        ours, theirs = shapes(engine_config(run.model, torch.float32)), shapes(info["config"])
         for key in SHAPE_KEYS:
-            if ours.get(key) != info["config"].get(key):
+            if ours[key] != theirs[key]:
                 raise ConfigError(f"vllm_server_url: the server at {self.url} serves another "
-                                  f"model ({key} {str(info['config'].get(key))[:40]!r}, the "
-                                  f"policy's {ours.get(key)!r})")
+                                  f"model ({key} {str(theirs[key])[:40]!r}, the policy's "
+                                  f"{ours[key]!r})")
         self.dtype = getattr(torch, info["dtype"])
         self.nccl = info["device"] == "cuda" and run.device.type == "cuda"
         self.vocab = run.model.cfg.vocab_size

@@ -2,14 +2,14 @@
 node, that trainer ranks send prompts to and push weights into (`vllm_mode: server`,
 engines/client.py).
 
-    mini-grpo vllm-serve --model DIR [--host 127.0.0.1] [--port 8000] [--dtype auto]
-                         [--max_model_len N] [--gpu_memory_utilization 0.9] [--kv_cache_gib 0]
-                         [--tensor_parallel_size 1]
+    mini-grpo vllm-serve --model DIR|FILE.gguf [--host 127.0.0.1] [--port 8000]
+                         [--dtype auto] [--max_model_len N] [--gpu_memory_utilization 0.9]
+                         [--kv_cache_gib 0] [--tensor_parallel_size 1]
 
-DIR gives the model's config.json only: the engine starts with dummy weights and serves the
-trainer's, which the trainer pushes before its first rollout and after every update. HTTP
-with JSON bodies (the standard library's server, one request at a time: the engine is not
-thread-safe, and the requests of several ranks queue):
+DIR gives the model's config.json only (a GGUF file, its metadata): the engine starts with
+dummy weights and serves the trainer's, which the trainer pushes before its first rollout and
+after every update. HTTP with JSON bodies (the standard library's server, one request at a
+time: the engine is not thread-safe, and the requests of several ranks queue):
 
     GET  /health          {"config": the engine's config.json, "dtype", "device", "max_model_len"}
     POST /generate        {"prompts": [[ids]], "options": SamplingParams keywords, "seeds": [..]}
@@ -67,8 +67,7 @@ class Server:
         vllm = import_vllm()
         self.SamplingParams = vllm.SamplingParams
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        config = read_config(args.model)  # checked as init_from's is
-        model = _shape_only(config)
+        model = served_model(args.model)
         self.dtype = engine_dtype(args.dtype, self.device)
         self.config = engine_config(model, self.dtype)
         self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_serve_"))
@@ -195,10 +194,16 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _shape_only(config: dict):
-    """Our model for `config` on the meta device: its shapes and names, no memory."""
+def served_model(path: str):
+    """Our model for the config of `path` (a Hugging Face directory, or a GGUF file: its
+    metadata and tensor directory, never its weights) on the meta device, checked as
+    init_from's is: its shapes and names, no memory."""
     from ..models import build
+    from ..models.gguf import load_gguf
 
+    if Path(path).is_file():
+        return load_gguf(path, weights=False)[0]
+    config = read_config(path)
     with torch.device("meta"):
         model = build(hf_spec(config))
     model.hf_config = config
@@ -253,7 +258,8 @@ def handler(server: Server, lock: threading.Lock):
 def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(prog="mini-grpo vllm-serve", description=__doc__.split(
         "\n\n")[0])
-    ap.add_argument("--model", required=True, help="a Hugging Face model directory")
+    ap.add_argument("--model", required=True,
+                    help="a Hugging Face model directory or a GGUF file (its shapes only)")
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other nodes")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
