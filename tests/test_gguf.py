@@ -241,3 +241,5 @@ def test_vllm_serve_takes_a_gguf_files_shapes(tmp_path):
     (tmp_path / "notes.gguf").write_text("my notes")
     with pytest.raises(CheckpointError, match="notes.gguf"):
         served_model(str(tmp_path / "notes.gguf"))
+    with pytest.raises(CheckpointError, match="missing.gguf: not found"):
+        served_model(str(tmp_path / "missing.gguf"))

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .. import distributed as D
+from ..checkpoint import CheckpointError
 from ..fields import ConfigError
 from ..jsonio import check_tree
 from ..models.hf import hf_spec, read_config
@@ -201,6 +202,8 @@ def served_model(path: str):
     from ..models import build
     from ..models.gguf import load_gguf
 
+    if not Path(path).exists():
+        raise CheckpointError(f"--model {path}: not found (a model directory or a GGUF file)")
     if Path(path).is_file():
         return load_gguf(path, weights=False)[0]
     config = read_config(path)
