@@ -297,9 +297,10 @@ class RewardScorer:
                     outs[i] = (None, self.timeout, f"call on rows {lo}..{hi - 1} did not "
                                f"finish within the {self.timeout:g} s timeout")
                 # a call starved of its start (threads spinning on the GIL) is cancelled, never
-                # run; one under way cannot be, and its thread is found
-                started = not f.cancel()
-                thread = self._pool.thread_of(f) if started and \
+                # run; one under way cannot be, and its thread is found (unless it has just
+                # returned: then no thread hangs)
+                running = not f.cancel() and not f.done()
+                thread = self._pool.thread_of(f) if running and \
                     isinstance(self._pool, DaemonThreadPool) else None
                 if thread is not None:  # serial, thread: the call runs on, abandoned
                     keys = tuple(dict.fromkeys(self.keys[calls[i][0]] for i in jobs[futures[f]]))
