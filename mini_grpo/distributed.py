@@ -31,6 +31,11 @@ class DistInfo:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    def print0(self, message: str) -> None:
+        """`message` on rank 0's stdout, flushed; nothing on the other ranks."""
+        if self.is_main:
+            print(message, flush=True)
+
 
 _INITS = [0]  # process groups this process has created
 

@@ -8,12 +8,11 @@
 For every distinct prompt of the split, `rft_oversample` completions are sampled in batched
 passes of `rft_prompts_per_batch` prompts through the run's engine (`rollout_engine`: our
 KV-cached sampler, or vLLM, with the weights of its last sync), scored with the run's
-rewards, and the best
-one is kept when it reaches `rft_min_reward` (`rft_keep: all` keeps every distinct one that
-does) and ended by itself: a completion cut off at `max_new_tokens` is never kept (SFT would
-teach the model to stop mid-sentence). Rows are `{prompt, target, completion, reward,
-rewards: {plugin: value}}`: the JSONL task loader reads them (completion, reward and rewards
-become metadata) and SFT trains on `completion`.
+rewards, and the best one is kept when it reaches `rft_min_reward` (`rft_keep: all` keeps
+every distinct one that does) and ended by itself: a completion cut off at `max_new_tokens`
+is never kept (SFT would teach the model to stop mid-sentence). Rows are `{prompt, target,
+completion, reward, rewards: {plugin: value}}`: the JSONL task loader reads them (completion,
+reward and rewards become metadata) and SFT trains on `completion`.
 
 Each rank appends whole lines to its own shard (`<output>.rank<R>`, flushed per batch) and
 lists the prompts it has finished in `<output>.rank<R>.done`, so a re-run skips them; rank 0

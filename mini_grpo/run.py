@@ -123,8 +123,7 @@ class Run:
                 "base": self.lora.base if self.lora else None}
 
     def print0(self, message: str) -> None:
-        if self.dist.is_main:
-            print(message, flush=True)
+        self.dist.print0(message)
 
     def close(self, failed: bool = False) -> None:
         if self.engine is not None:

@@ -135,8 +135,8 @@ class TrainState:
     def _say(self, step: int, message: str) -> None:
         if self.logger:
             self.logger.event(step, message)
-        elif self.tag != "grpo" and self.dist.is_main:
-            print(f"[{self.tag}] step {step}: {message}", flush=True)
+        elif self.tag != "grpo":
+            self.dist.print0(f"[{self.tag}] step {step}: {message}")
 
     def metrics(self) -> dict[str, float]:
         g = self.guard
@@ -159,9 +159,8 @@ class TrainState:
         if optimizer:
             meta["scaler"] = self.scaler.state_dict()
         if not finite_everywhere(self.model):
-            if self.dist.is_main:
-                print(f"[mini-grpo] {self.tag} step {step}: parameters are not finite, "
-                      f"checkpoint NOT written", flush=True)
+            self.dist.print0(f"[mini-grpo] {self.tag} step {step}: parameters are not finite, "
+                             f"checkpoint NOT written")
             return None
         path = save(self.model, self.opt if optimizer else None, meta,
                     directory or self.directory, step, self.keep if keep is None else keep)
