@@ -294,7 +294,12 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
     )
 
     state = _sharded_state(model, opt, keep)
-    dcp.load(state, checkpoint_id=str(path), storage_reader=safe_reader(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path), storage_reader=safe_reader(path),
+                 planner=_safe_planner_class()())
+    except dcp.api.CheckpointException as e:  # {rank: (error, trace)}: the first, one line
+        why = [str(exc).strip() or type(exc).__name__ for exc, _ in e.failures.values()]
+        raise ValueError(why[0].splitlines()[0] if why else "DCP cannot load it") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optim"])
@@ -372,9 +377,38 @@ def _safe_reader_class():
                 meta = _IndexUnpickler(f).load()
             if not isinstance(meta, Metadata):
                 raise ValueError(f"{path.name} holds a {type(meta).__name__}, not DCP's index")
+            coded = sorted(str(k.fqn) for k, info in (meta.storage_data or {}).items()
+                           if getattr(info, "transform_descriptors", None))
+            if coded:  # never written here; a decompressor could inflate bytes without bound
+                raise ValueError(f"{path.name}: item {coded[0]} is stored through a transform "
+                                 f"(compression), which mini-grpo never writes")
             if getattr(meta, "storage_meta", None) is None:  # as FileSystemReader does
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id
             return meta
 
     return SafeReader
+
+
+@functools.cache
+def _safe_planner_class():
+    """DCP's DefaultLoadPlanner, but a shard's non-tensor items (the optimizer's param_groups
+    values, any byte item) are read with torch.load(weights_only=True): torch's own reads them
+    with weights_only=False, which runs whatever code a planted pickle names."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise ValueError(f"item {fqn} holds more than tensors and plain values, which "
+                                 f"are never unpickled") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafePlanner

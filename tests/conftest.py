@@ -115,3 +115,39 @@ def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0, heads: int = 4) 
     model.save_pretrained(out)
     hf_tok.save_pretrained(out)
     return out
+
+
+class Boom:
+    """A pickle that runs a command when loaded plainly (pickle.load, torch.load with
+    weights_only=False): it names os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant_in_shard(dcp_dir, fqn: str, marker) -> None:
+    """Appends torch.save(Boom(marker)) to a shard of sharded checkpoint `dcp_dir` and points
+    its item `fqn` (a non-tensor one, as the optimizer's "optim.param_groups.0.lr") at those
+    bytes, rewriting DCP's index with a plain pickle of its real classes (which the index's
+    allowlist passes): torch's default load planner would run the payload."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    meta_path = Path(dcp_dir) / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)  # written by the test's own run
+    key = next(k for k in meta.storage_data if k.fqn == fqn)
+    shard = Path(dcp_dir) / meta.storage_data[key].relative_path
+    payload = io.BytesIO()
+    torch.save(Boom(marker), payload)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    meta.storage_data[key] = _StorageInfo(relative_path=shard.name, offset=offset,
+                                          length=len(payload.getvalue()))
+    meta_path.write_bytes(pickle.dumps(meta))

@@ -6,6 +6,7 @@ import stat
 
 import pytest
 import torch
+from conftest import Boom, plant_in_shard
 
 from mini_grpo import checkpoint as C
 from mini_grpo.checkpoint import (
@@ -292,16 +293,6 @@ def test_a_sharded_checkpoint_missing_a_shard_is_skipped_not_a_traceback(tmp_pat
     assert found.name == "step_0000002.pt" and st["step"] == 2
 
 
-class Boom:
-    """A pickle that runs a command when loaded plainly (pickle.load): it names os.system."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 @pytest.mark.parametrize("index, why", [
     ("code", "names posix.system, which is not part of a DCP index and is never unpickled"),
     ("dict", "holds a dict, not DCP's index"),
@@ -330,6 +321,30 @@ def test_a_sharded_checkpoints_index_is_read_by_an_allowlist_never_run(tmp_path,
     failures = getattr(e.value, "failures", {})  # {rank: error}; the reader read_shards uses
     assert re.search(why, " ".join(map(str, [e.value, *failures.values()])))
     assert not marker.exists()
+
+
+def test_a_pickle_planted_in_a_shards_byte_item_is_refused_never_run(tmp_path):
+    """torch's DCP load planner reads a shard's non-tensor items (the optimizer's
+    param_groups values) with weights_only=False: ours reads them with weights_only=True, so
+    a payload there is a one-line CheckpointError and never runs."""
+    from mini_grpo import fsdp
+    from mini_grpo.checkpoint import load_weights
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "step_0000003.dcp"
+    fsdp.write_shards(model, opt, path)
+    torch.save({"kind": "grpo", "step": 3}, path / "meta.pt")
+    marker = tmp_path / "ran"
+    plant_in_shard(path, "optim.param_groups.0.lr", marker)
+    state = load_checkpoint(path)  # the index and sizes pass: the planted item is read later
+    fresh = torch.nn.Linear(4, 4)
+    with pytest.raises(CheckpointError, match="item optim.param_groups.0.lr holds more than "
+                       "tensors and plain values, which are never unpickled") as e:
+        load_weights(state, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert "\n" not in str(e.value) and not marker.exists()
 
 
 def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_directory(tmp_path,

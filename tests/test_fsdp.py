@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import ROOT, clean_env, metrics, torchrun
+from conftest import ROOT, clean_env, entry, metrics, plant_in_shard, torchrun
 from fsdp_worker import build
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -112,6 +112,16 @@ def test_a_fsdp_run_checkpoints_in_shards_and_resumes_also_on_fewer_ranks(tmp_pa
     exported = load_file(tmp_path / "hf" / "model.safetensors")  # step 4's weights
     for k in a:
         torch.testing.assert_close(exported[k], a[k], rtol=0, atol=0, msg=k)
+    # a pickle planted in a shard's byte item (the optimizer's lr) is refused, never run:
+    # under torchrun and in one process
+    marker = tmp_path / "ran"
+    plant_in_shard(list_checkpoints(straight / "checkpoints")[-1], "optim.param_groups.0.lr",
+                   marker)
+    for launch in (lambda *a: torchrun("distributed_train.py", *a), entry):
+        r = launch(*TINY, f"--out_dir={straight}", "--max_steps=5")
+        assert r.returncode != 0 and not marker.exists(), r.stderr[-3000:]
+        assert "item optim.param_groups.0.lr holds more than tensors and plain values, which " \
+               "are never unpickled" in r.stderr
 
 
 def test_a_one_process_checkpoint_resumes_under_fsdp_on_more_ranks(tmp_path):
