@@ -16,7 +16,9 @@ model equals its base exactly until the first update.
 The adapter files are PEFT's: adapter_config.json and adapter_model.safetensors, keys
 `base_model.model.` + the Hugging Face name of the module + `.lora_A.weight` (shape (r, in))
 / `.lora_B.weight` ((out, r)). GPT-2's Conv1D layers keep that layout too; PEFT marks them
-`fan_in_fan_out`.
+`fan_in_fan_out`. An adapter_config.json is read by allowlist: every key PEFT's LoraConfig
+writes, at the values under which it is plain LoRA on an unchanged base; any other key or
+value (DoRA, rsLoRA, PiSSA's init, an option of a newer PEFT) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -42,15 +44,29 @@ DEFAULT_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"
 # every name save_adapter writes: a marked directory holding anything else is not replaced
 ADAPTER_FILES = re.compile(r"\.mini-grpo-export|adapter_config\.json|adapter_model\.safetensors")
 MAX_CONFIG_BYTES = 1 << 16
-# adapter_config.json options that change what the adapter computes, with the values under
-# which it is plain LoRA (the only ones accepted); peft's init-time options do not matter here
-PLAIN_LORA = {"use_rslora": (False,), "use_dora": (False,), "alpha_pattern": ({}, None),
-              "rank_pattern": ({}, None), "layers_to_transform": (None,),
-              "layers_pattern": (None, "", []), "modules_to_save": (None, []),
-              "bias": ("none",), "lora_bias": (False,), "target_parameters": (None, []),
+# adapter_config.json is read by allowlist, so that an option PEFT adds later is refused, not
+# ignored. Options that change what the adapter computes or need a base PEFT changed (PiSSA,
+# OLoRA, CorDA, LoftQ ...): the values under which it is plain LoRA, PEFT's defaults among them
+PLAIN_LORA = {"init_lora_weights": (True, False, "gaussian"), "bias": ("none",),
+              "use_rslora": (False,), "use_dora": (False,), "use_qalora": (False,),
+              "lora_bias": (False,), "ensure_weight_tying": (False,),
+              "alpha_pattern": ({}, None), "rank_pattern": ({}, None),
+              "layers_to_transform": (None,), "layers_pattern": (None, "", []),
+              "modules_to_save": (None, []), "target_parameters": (None, []),
               "exclude_modules": (None, "", []), "layer_replication": (None,),
-              "trainable_token_indices": (None,), "use_qalora": (False,),
-              "alora_invocation_tokens": (None,)}
+              "trainable_token_indices": (None,), "alora_invocation_tokens": (None,),
+              "loftq_config": ({}, None), "megatron_config": (None,), "eva_config": (None,),
+              "corda_config": (None,), "lora_ga_config": (None,), "velora_config": (None,),
+              "monteclora_config": (None,), "use_bdlora": (None,), "arrow_config": (None,),
+              "kasa_config": (None,)}
+# the other keys, with their types: read_adapter_config and load_adapter check the values of
+# the first six; the rest describe the adapter or matter only under an option refused above
+ADAPTER_TYPES = {"r": (int,), "lora_alpha": (int, float), "lora_dropout": (int, float),
+                 "target_modules": (list,), "fan_in_fan_out": (bool,), "peft_type": (str,),
+                 "task_type": (str, type(None)), "base_model_name_or_path": (str, type(None)),
+                 "revision": (str, type(None)), "inference_mode": (bool,),
+                 "auto_mapping": (dict, type(None)), "peft_version": (str, type(None)),
+                 "megatron_core": (str, type(None)), "qalora_group_size": (int,)}
 
 
 class LoRALinear(nn.Linear):
@@ -279,7 +295,9 @@ def save_adapter(model, directory: str | Path, base_model: str = "",
 
 
 def read_adapter_config(directory: str | Path) -> dict:
-    """adapter_config.json, checked: r, lora_alpha, lora_dropout, target_modules."""
+    """adapter_config.json, checked: r, lora_alpha, lora_dropout, target_modules, and every
+    other key by allowlist (PLAIN_LORA, ADAPTER_TYPES); anything else is a ValueError naming
+    the file, the key and the value."""
     path = Path(directory) / "adapter_config.json"
     config = read_json_object(path, MAX_CONFIG_BYTES)
     if config is None:
@@ -296,12 +314,18 @@ def read_adapter_config(directory: str | Path) -> dict:
         raise ValueError(f"{path}: target_modules must be a list of module names")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
-    for key, plain in PLAIN_LORA.items():  # an option that changes the weights: refused
-        if key in config and not any(config[key] == v and type(config[key]) is type(v)
-                                     for v in plain):
-            raise ValueError(f"{path}: {key} {str(config[key])[:60]} is not supported (mini-grpo "
-                             f"applies plain LoRA: W + lora_alpha / r * B A on every target "
-                             f"module); export the adapter without it")
+    for key, value in config.items():
+        if key in PLAIN_LORA:
+            known = any(value == v and type(value) is type(v) for v in PLAIN_LORA[key])
+        elif key in ADAPTER_TYPES:
+            known = type(value) in ADAPTER_TYPES[key]
+        else:  # a name not ours, quoted: the message stays one line
+            known, key = False, f"key {key!r:.60}"
+        if not known:
+            raise ValueError(f"{path}: {key} {value!r:.60} is not supported (mini-grpo loads "
+                             f"plain LoRA, W + lora_alpha / r * B A on every target module, "
+                             f"and reads only the options it knows); save the adapter as "
+                             f"plain LoRA")
     return config
 
 
