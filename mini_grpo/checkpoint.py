@@ -6,7 +6,9 @@ as DCP shards; newest-valid resume; retention. Loaded weights_only=True.
 parallelised now (state.TrainState calls both; fsdp.py holds the state-dict primitives).
 
 A one-file checkpoint is one `step_NNNNNNN.pt` file holding plain tensors and Python values:
-model and optimizer state, step, guard, RNG states, the resolved config, the tokenizer. It is
+model and optimizer state, step, guard, RNG states, the resolved config, the tokenizer, and
+the format marker (FORMAT, VERSION) without which no file counts as a checkpoint: retention
+neither counts nor removes it, resume and every command refuse it. It is
 written to `.step_NNNNNNN.pt.tmp<pid>`, flushed and fsynced, renamed over the final name, and
 the directory is fsynced so the rename survives a power cut; a kill mid-write therefore never
 leaves a broken newest checkpoint, and a file that still fails to load is skipped with a warning.
@@ -41,6 +43,10 @@ from . import fsdp
 from .outputs import write_reason
 
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
+# in every checkpoint (a one-file one's state, a sharded one's meta.pt): a file is ours only if
+# it says so. Retention counts and removes, and resume reads, only files that carry it.
+FORMAT = "mini-grpo checkpoint"
+VERSION = 1
 _TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")
 _TEMP_DIR = re.compile(r"^\.step_\d+\.dcp\.tmp$")  # all ranks write it: no pid to check
 
@@ -80,7 +86,7 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
     try:
         fsdp.write_shards(model, opt, tmp, keep=weights_kept(model))
         if D.is_main():
-            torch.save(meta, tmp / "meta.pt")
+            torch.save({**meta, "format": FORMAT, "version": VERSION}, tmp / "meta.pt")
             shutil.rmtree(final, ignore_errors=True)  # the same step saved again
             os.replace(tmp, final)
             _fsync_dir(directory)
@@ -186,7 +192,7 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
     tmp = directory / f".{path.name}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save({**state, "format": FORMAT, "version": VERSION}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -303,9 +309,22 @@ def load_checkpoint(path: str | Path, map_location="cpu", mmap: bool = False) ->
     except Exception as e:  # truncated zip, wrong format, non-allowlisted pickle ...
         raise CheckpointError(f"{path}: cannot load checkpoint ({_reason_to_refuse(e)})") \
             from None
-    if not isinstance(state, dict) or "model" not in state:
+    _check_format(state, path)
+    if "model" not in state:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no 'model' entry)")
     return state
+
+
+def _check_format(state, path: Path) -> None:
+    """A checkpoint is ours only if it carries FORMAT, at a version this code reads."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no format marker: written "
+                              f"by another program, or by mini-grpo before checkpoints carried "
+                              f"one)")
+    version = state.get("version")
+    if type(version) is not int or not 1 <= version <= VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {version!r}; this mini-grpo "
+                              f"reads version {VERSION} (a newer one wrote it? upgrade)")
 
 
 def _reason_to_refuse(e: Exception) -> str:
@@ -326,7 +345,8 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load meta.pt ({_reason_to_refuse(e)})") \
             from None
-    if not isinstance(meta, dict) or "kind" not in meta:
+    _check_format(meta, path)
+    if "kind" not in meta:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (meta.pt has no 'kind')")
     try:
         fsdp.check_shards(path)

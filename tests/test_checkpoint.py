@@ -80,6 +80,27 @@ def test_load_refuses_non_allowlisted_pickle(tmp_path):
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("form", ["file", "shards"])
+def test_a_file_named_like_a_checkpoint_is_not_one_without_the_format_marker(tmp_path, form):
+    """A foreign {"model": {}} saved as step_0000001.pt (or a DCP directory whose meta.pt has
+    no marker) is refused, not counted by retention, and never removed by it."""
+    if form == "file":
+        foreign = tmp_path / "step_0000001.pt"
+        torch.save({"model": {}, "kind": "grpo", "step": 1}, foreign)
+    else:
+        foreign = sharded(tmp_path, 1)
+        torch.save({"kind": "grpo", "step": 1}, foreign / "meta.pt")
+    with pytest.raises(CheckpointError, match="not a mini-grpo checkpoint \\(no format marker"):
+        load_checkpoint(foreign)
+    for step in (2, 3):
+        save_checkpoint(state(step), tmp_path, step, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [foreign.name, "step_0000003.pt"]
+    with pytest.raises(CheckpointError, match="format version 2; this mini-grpo reads version 1"):
+        path = save_checkpoint(state(4), tmp_path, 4)
+        torch.save({**torch.load(path, weights_only=True), "version": 2}, path)
+        load_checkpoint(path)
+
+
 def test_load_missing_file(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_checkpoint(tmp_path / "step_0000001.pt")
@@ -271,7 +292,8 @@ def sharded(directory, step):
 
     path = directory / f"step_{step:07d}.dcp"
     dcp.save({"model": {"w": torch.full((64, 64), float(step))}}, checkpoint_id=str(path))
-    torch.save({"kind": "grpo", "step": step}, path / "meta.pt")
+    torch.save({"kind": "grpo", "step": step, "format": C.FORMAT, "version": C.VERSION},
+               path / "meta.pt")
     return path
 
 
@@ -336,7 +358,8 @@ def test_a_pickle_planted_in_a_shards_byte_item_is_refused_never_run(tmp_path):
     opt.step()
     path = tmp_path / "step_0000003.dcp"
     fsdp.write_shards(model, opt, path)
-    torch.save({"kind": "grpo", "step": 3}, path / "meta.pt")
+    torch.save({"kind": "grpo", "step": 3, "format": C.FORMAT, "version": C.VERSION},
+               path / "meta.pt")
     marker = tmp_path / "ran"
     plant_in_shard(path, "optim.param_groups.0.lr", marker)
     state = load_checkpoint(path)  # the index and sizes pass: the planted item is read later

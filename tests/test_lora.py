@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT, clean_env, entry, tiny, tiny_gpt, tiny_lm_dir, torchrun
 
-from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
+from mini_grpo.checkpoint import FORMAT, VERSION, list_checkpoints, load_checkpoint
 from mini_grpo.job import train
 from mini_grpo.lora import (
     DEFAULT_TARGETS,
@@ -429,7 +429,8 @@ def test_policy_source_and_lora_facts(lm_dirs, tmp_path):
     adapters = {"model": {}, "lora": {"r": 4}}  # a LoRA checkpoint: on init_from's base
     on_base = PolicySource.of(tiny(None, init_from=lm, block_size=256), adapters)
     assert on_base.kind == "hf" and on_base.adapters is adapters and on_base.state is None
-    torch.save({"lora": {"r": 4}, "model": {}}, tmp_path / "lora.pt")
+    torch.save({"lora": {"r": 4}, "model": {}, "format": FORMAT, "version": VERSION},
+               tmp_path / "lora.pt")
     with pytest.raises(CheckpointError, match="holds its adapters alone"):
         PolicySource.of(tiny(None, init_from=str(tmp_path / "lora.pt")))
 

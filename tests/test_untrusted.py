@@ -265,6 +265,7 @@ def tiny_checkpoint() -> dict:
     """What a checkpoint of configs/tiny.yaml's model holds (Run.identity and the weights)."""
     from conftest import tiny
 
+    from mini_grpo.checkpoint import FORMAT, VERSION
     from mini_grpo.models import build, spec
     from mini_grpo.policy import gpt_spec
     from mini_grpo.tasks.chess_fen import ALPHABET
@@ -273,7 +274,8 @@ def tiny_checkpoint() -> dict:
     torch.manual_seed(0)
     model = build(gpt_spec(cfg, tok.vocab_size))
     return {"kind": "sft", "step": 1, "config": cfg.to_dict(), "tokenizer": tok.state(),
-            "model_spec": spec(model), "model": model.state_dict()}
+            "model_spec": spec(model), "model": model.state_dict(), "format": FORMAT,
+            "version": VERSION}
 
 
 @pytest.fixture(scope="module")
