@@ -229,6 +229,14 @@ def prune(directory: Path, keep: int, written: Path) -> None:
         remove(old)
 
 
+def discard_checkpoints(directory: Path) -> None:
+    """Removes every checkpoint of `directory` that is ours (carries the format marker and
+    loads): a run that starts afresh must not later resume from the run before it."""
+    for p in list_checkpoints(directory):
+        if loadable(p):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 def loadable(path: Path) -> bool:
     """Whether checkpoint `path` loads (its tensors mapped, not read)."""
     try:

@@ -4,6 +4,10 @@
     write_file("runs/x/eval.json", text)                       # inside a run's own directory
     write_file("out.json", text, owned=lambda p: ...)          # replaces only a file of ours
 
+A training run writes into its out_dir only where that is new, empty, or a run directory
+(RUN_MARKER), and only while it holds the directory's lock (`claim_run_dir`): never into a
+user's folder, never beside another run.
+
 A directory is written only where it is absent, empty, or one that mini-grpo wrote before (its
 MARKER file) holding only names that writer writes (`owned`). Anything else is refused with a
 ConfigError naming the path and a file in it (exit 2), before any work: a run directory, a
@@ -20,12 +24,14 @@ import errno
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 from .fields import ConfigError
 
 MARKER = ".mini-grpo-export"  # in every directory written here: one it may replace next time
+RUN_MARKER = ".mini-grpo-run"  # in every run's out_dir: the run's claim, and the file it locks
 
 
 class OutputWriteError(RuntimeError):
@@ -49,31 +55,84 @@ def write_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def check_parent(output: str | Path) -> None:
+def check_parent(output: str | Path, what: str = "output") -> None:
     """ConfigError unless `output`'s nearest existing ancestor is a directory (a missing
     parent is made later, as mkdir -p does; a file in the way cannot be)."""
     above = next(p for p in Path(output).absolute().parents if p.exists())
     if not above.is_dir():
-        raise ConfigError(f"output {output}: {above} is not a directory")
+        raise ConfigError(f"{what} {output}: {above} is not a directory")
+
+
+def _check_dir(output: str | Path, what: str) -> Path:
+    """The absolute path of directory `output` with every symlink resolved (a symlink as the
+    output is followed: its target is written; `a/b/..` is `a`), refused where it is a file,
+    the current directory or one holding it, or below a file."""
+    out = Path(os.path.realpath(output))  # a symlink, as output or above it, followed once
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{what} {output}: exists and is not a directory; not overwritten")
+    here = Path(os.path.realpath(os.getcwd()))
+    if out == here or here.is_relative_to(out):
+        raise ConfigError(f"{what} {output}: is the current directory or holds it; not "
+                          f"overwritten (choose a new directory)")
+    check_parent(out, what)
+    return out
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def check_replaceable(output: str | Path, owned: re.Pattern) -> Path:
     """The absolute, normalised path of a directory that may be (re)written: absent, empty, or
     marked and holding only `owned` names; ConfigError naming it otherwise. `a/b/..` is `a`."""
-    out = Path(os.path.abspath(output))
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output {output}: exists and is not a directory; not overwritten")
-    if out == Path(os.getcwd()) or Path(os.getcwd()).is_relative_to(out):
-        raise ConfigError(f"output {output}: is the current directory or holds it; not "
-                          f"overwritten (choose a new directory)")
-    check_parent(out)
+    out = _check_dir(output, "output")
     names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [n for n in names if not owned.fullmatch(n)] if MARKER in names else names
+    # a writer writes plain files at the top level alone: a folder or a link under one of
+    # their names is a user's, and so is everything in it
+    foreign = [n for n in names if not (owned.fullmatch(n) and (out / n).is_file()
+                                        and not (out / n).is_symlink())] \
+        if MARKER in names else names
     if foreign:
         raise ConfigError(f"output {output}: exists and holds files mini-grpo did not write "
-                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
-                          f"not overwritten (choose a new directory)")
+                          f"({_listed(foreign)}); not overwritten (choose a new directory)")
     return out
+
+
+def claim_run_dir(out_dir: str | Path) -> int:
+    """Takes `out_dir` for a training run: new (made), empty, or marked by a run before
+    (RUN_MARKER; a resumed run is the same owner); anything else is a ConfigError naming up
+    to 3 of its files. Returns the descriptor of the marker, locked (flock) so that a second
+    run is refused while this process lives; the kernel drops the lock when it dies, however.
+    Keep it open for the run's life, then `os.close` it. Rank 0 alone claims: on several
+    nodes out_dir must be on one shared file system whose locks span them (NFSv4, Lustre with
+    flock)."""
+    out = _check_dir(out_dir, "out_dir")
+    names = sorted(os.listdir(out)) if out.is_dir() else []
+    if names and RUN_MARKER not in names:
+        hint = (f"; if an earlier mini-grpo wrote it, `touch {Path(out_dir) / RUN_MARKER}` to "
+                f"claim it" if {"config.yaml", "metrics.jsonl"} <= set(names) else "")
+        raise ConfigError(f"out_dir {out_dir}: holds files no mini-grpo run wrote "
+                          f"({_listed(names)}); not written into (choose a new or empty "
+                          f"directory{hint})")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / RUN_MARKER, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"out_dir: cannot write to {out_dir} ({e.strerror or e})") from None
+    try:
+        import fcntl  # POSIX; elsewhere a run's directory is not locked
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:
+        pass
+    except OSError:  # EWOULDBLOCK: another live process holds it
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"out_dir {out_dir}: another run is writing into it ({holder}); "
+                          f"wait for it to end, or choose another out_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"mini-grpo run, pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return fd
 
 
 def check_file(output: str | Path, owned: Callable[[Path], bool]) -> Path:

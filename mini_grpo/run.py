@@ -6,7 +6,9 @@
         run.sync_engine()
         evaluate(run, greedy=True)
 
-Order: distributed init -> checks that need the world size -> device, threads, allocator ->
+Order: distributed init -> checks that need the world size -> the run directory, claimed and
+locked by rank 0 with every output the run will write there checked (a training run) ->
+device, threads, allocator ->
 task (its data) -> reward scorer (bad plugin names fail here, before any model is built) ->
 policy and tokenizer (policy.build_policy: a given checkpoint's, else `init_from`'s, else our
 GPT from the config's fields, randomly initialised from the seed, identical on every rank,
@@ -20,6 +22,8 @@ The reference policy is frozen later, when GRPO starts from whatever SFT left
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,14 +31,17 @@ import torch
 
 from . import distributed as D
 from . import fsdp
+from .checkpoint import discard_checkpoints
 from .config import ConfigError, GRPOConfig
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .engines.native import NativeEngine
 from .limits import check_lengths, check_step_memory, check_world
 from .logger import RunLogger
-from .lora import LoRAFacts, is_lora, store_base_in
+from .lora import ADAPTER_FILES, LoRAFacts, is_lora, store_base_in
 from .models import CausalLM, build, spec
+from .models.hf import WRITTEN
+from .outputs import check_replaceable, claim_run_dir
 from .policy import build_policy, lora_facts, weights_from_rank0
 from .precision import (
     Precision,
@@ -68,6 +75,7 @@ class Run:
     # what samples (engines/): GRPO's rollouts, evaluation, RFT's data, `mini-grpo sample`
     engine: Engine | None = None
     lora: LoRAFacts | None = None  # the policy's adapters and their base (LoRA runs)
+    claim: int | None = None  # rank 0 of a training run: its locked claim on out_dir
 
     def freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the policy as it is now (beta 0: none).
@@ -132,6 +140,9 @@ class Run:
             self.scorer.close()
         if self.logger is not None:
             self.logger.close()
+        if self.claim is not None:
+            os.close(self.claim)  # the lock goes with it
+            self.claim = None
         self.net = self.model  # DDP's reducer must not outlive the process group
         D.cleanup(wait=not failed)
 
@@ -150,9 +161,10 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     benchmark's ablations build the task once); `train=False`: a command that only samples
     (evaluate, sample, rft-generate), whose precision probe times sampling alone."""
     dist = D.init(cfg.dist_timeout)
-    scorer = None
+    scorer = claim = None
     try:
         check_world(cfg, dist)
+        claim = claim_out_dir(cfg, dist) if log else None
         device = resolve_device(cfg, dist.local_rank)
         check_engine(cfg, device)
         threads = setup_backends(cfg, dist.local_world_size)
@@ -194,10 +206,12 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     except BaseException:
         if scorer is not None:
             scorer.close()
+        if claim is not None:
+            os.close(claim)
         D.cleanup(wait=False)
         raise
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger,
-              lora=lora)
+              lora=lora, claim=claim)
     try:  # before any work: a model the engine cannot serve is refused here
         run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size)
                                  if longest else None)
@@ -225,19 +239,61 @@ def _fsdp_dtype(precision: Precision) -> torch.dtype | None:
     return torch.bfloat16 if precision.dtype == torch.bfloat16 else None
 
 
+# what a run writes into out_dir: plain files, and directories (hf/ and adapter/ are exports)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.json", "reward.png", "tokenizer.json")
+RUN_DIRS = ("checkpoints", "tb", "sft", "rft", "wandb")
+_EVENTS = re.compile(r"events\.out\.tfevents\..*")  # TensorBoard's files
+
+
+def claim_out_dir(cfg: GRPOConfig, dist: D.DistInfo) -> int | None:
+    """Rank 0 takes out_dir for this run (outputs.claim_run_dir: new, empty or a run's, and
+    locked) and checks every output the run writes there, so that nothing is refused after
+    the work; `resume: never` clears the run before's checkpoints and logs. Every rank
+    raises rank 0's refusal. Returns rank 0's locked claim (None on the others)."""
+    claim = why = None
+    if dist.is_main:
+        try:
+            claim = claim_run_dir(cfg.out_dir)
+            out = Path(cfg.out_dir)
+            for name in RUN_FILES + RUN_DIRS:
+                p = out / name
+                if (p.exists() or p.is_symlink()) and (p.is_symlink() or (
+                        name in RUN_DIRS) != p.is_dir()):
+                    raise ConfigError(f"out_dir {cfg.out_dir}: {name} is not the "
+                                      f"{'directory' if name in RUN_DIRS else 'file'} a run "
+                                      f"writes there; not overwritten (move it away)")
+            for name, owned in (("hf", WRITTEN), ("adapter", ADAPTER_FILES)):
+                check_replaceable(out / name, owned)
+            if cfg.resume == "never":
+                start_afresh(out)
+        except ConfigError as e:
+            if claim is not None:
+                os.close(claim)
+            claim, why = None, str(e)
+    why = D.all_gather_object(why)[0]
+    if why is not None:
+        raise ConfigError(why)
+    return claim
+
+
+def start_afresh(out: Path) -> None:
+    """`resume: never` in a run directory: the run before's checkpoints (ours alone), metrics
+    and TensorBoard events go, so that neither this run's logs nor a later resume mix the two
+    runs; a finished SFT or RFT stage stays (it is reused only where its options match)."""
+    discard_checkpoints(out / "checkpoints")
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    if (out / "tb").is_dir():
+        for f in (out / "tb").iterdir():
+            if _EVENTS.fullmatch(f.name) and f.is_file():
+                f.unlink()
+
+
 def open_run_dir(cfg: GRPOConfig, tok: Tokenizer) -> RunLogger:
-    """Creates out_dir (an unusable one is a ConfigError naming it), saves a character
-    tokenizer's alphabet (tokenizer.json) and opens the logger. The resolved config is saved
-    by the job once it knows the run may go on (a refused resume must not overwrite the
-    config.yaml of the run it refused)."""
+    """Saves a character tokenizer's alphabet (tokenizer.json) into out_dir (claimed by
+    claim_out_dir) and opens the logger. The resolved config is saved by the job once it knows
+    the run may go on (a refused resume must not overwrite the config.yaml of the run it
+    refused)."""
     out = Path(cfg.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"out_dir: cannot write to {out} ({e.strerror or e})") from None
     if isinstance(tok, CharTokenizer):
         tok.save(out / "tokenizer.json")
     return RunLogger(out, cfg.max_steps, cfg.report_to, cfg.to_dict())

@@ -82,6 +82,37 @@ def test_a_users_files_are_never_replaced(tmp_path, monkeypatch):
         replace_dir(tmp_path / "file" / "out", OWNED, write_model)
 
 
+def test_a_marked_directory_is_matched_at_every_depth_and_symlinks_are_followed_once(
+        tmp_path, monkeypatch):
+    ours = replace_dir(tmp_path / "ours", OWNED, write_model)
+    (ours / "model.bin").unlink()  # a user's folder under a name the writer writes
+    (ours / "model.bin").mkdir()
+    (ours / "model.bin" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds files mini-grpo did not write \(model.bin\)"):
+        replace_dir(ours, OWNED, write_model)
+    assert (ours / "model.bin" / "notes.txt").read_text() == "mine"
+    # a link under a written name points elsewhere: a user's too
+    other = replace_dir(tmp_path / "other", OWNED, write_model)
+    (other / "model.bin").unlink()
+    os.symlink(tmp_path / "ours" / "model.bin" / "notes.txt", other / "model.bin")
+    with pytest.raises(ConfigError, match="model.bin"):
+        replace_dir(other, OWNED, write_model)
+    # a symlink as the output: its target is written, the link stays, nothing stray is left
+    target = replace_dir(tmp_path / "target", OWNED, write_model)
+    os.symlink(target, tmp_path / "link")
+    (target / "model.bin").write_text("old")
+    assert replace_dir(tmp_path / "link", OWNED, write_model) == target
+    assert (tmp_path / "link").is_symlink() and (target / "model.bin").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["link", "other", "ours", "target"]
+    # through a symlinked parent to the current directory: refused, not moved away
+    here = replace_dir(tmp_path / "here", OWNED, write_model)
+    monkeypatch.chdir(here)
+    os.symlink(tmp_path, here / "up")
+    with pytest.raises(ConfigError, match="current directory"):
+        replace_dir("up/here", OWNED, write_model)
+    assert (here / "model.bin").read_text() == "new"
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
                                    RuntimeError("Error while serializing: IoError(Os { code: 28, "
                                                 "kind: StorageFull, message: \"No space left on "
