@@ -73,22 +73,23 @@ class GRPOConfig:
     # I/O); process: worker processes (python-chess holds the GIL, so only processes scale it)
     reward_executor: Literal["serial", "thread", "process"] = opt("process", "run",
                                                                   env="REWARD_EXECUTOR")
-    num_reward_workers: int = opt(2, "run", "> 0", env="NUM_WORKERS")
-    reward_on_error: float = opt(0.0, "grpo")  # reward given to rows whose plugin failed
+    num_reward_workers: int = opt(2, "run", "1..1024", env="NUM_WORKERS")
+    # reward given to rows whose plugin failed
+    reward_on_error: float = opt(0.0, "grpo", "[-1e9, 1e9]")
     # seconds per plugin call before it counts as failed
-    reward_timeout: float = opt(30.0, "grpo", "> 0")
+    reward_timeout: float = opt(30.0, "grpo", "(0, 86400]")
     # stop the run when more rows of one plugin fail
     reward_max_fail_frac: float = opt(0.5, "run", "[0, 1]")
     # async plugins: rows of `per_sample` ones in flight at once (requests to a verifier)
-    reward_concurrency: int = opt(16, "run", "> 0")
+    reward_concurrency: int = opt(16, "run", "1..4096")
 
     # ---- model ----
     # our GPT's shape, for runs from scratch (init_from names its own model)
-    n_layer: int = opt(4, "sft resume", "> 0")
-    n_head: int = opt(4, "sft resume", "> 0")
-    n_embd: int = opt(256, "sft resume", "> 0")
+    n_layer: int = opt(4, "sft resume", "1..1024")
+    n_head: int = opt(4, "sft resume", "1..1024")
+    n_embd: int = opt(256, "sft resume", "1..65536")
     # longest prompt + completion, in tokens (+ bos/eos)
-    block_size: int = opt(192, "sft resume", "> 0")
+    block_size: int = opt(192, "sft resume", "1..1048576")
     # prompts through the tokenizer's chat template as a user message (a Hugging Face
     # tokenizer's; auto = when it has one), after an optional system message
     chat_template: Literal["auto", "on", "off"] = opt("auto", "sft resume")
@@ -102,9 +103,9 @@ class GRPOConfig:
 
     # ---- LoRA (lora.py; docs/guide.md "LoRA") ----
     # adapters of this rank on init_from's frozen base; 0 = full fine-tuning
-    lora_r: int = opt(0, "sft resume", ">= 0", env="LORA_R")
+    lora_r: int = opt(0, "sft resume", "0..65536", env="LORA_R")
     # the update is scaled by lora_alpha / lora_r
-    lora_alpha: float = opt(32.0, "sft resume", "> 0")
+    lora_alpha: float = opt(32.0, "sft resume", "(0, 1e6]")
     lora_dropout: float = opt(0.0, "sft", "[0, 1)")
     # by the last part of a module's name; null = every linear layer of attention and MLP
     lora_target_modules: list | None = opt(None, "sft resume")
@@ -113,13 +114,13 @@ class GRPOConfig:
 
     # ---- sampling ----
     # a FEN after 12 plies is at most ~75 characters
-    max_new_tokens: int = opt(80, "rft_data loss", "> 0")
+    max_new_tokens: int = opt(80, "rft_data loss", "1..1048576")
     # false = recompute the whole sequence per token (the slow baseline)
     kv_cache: bool = opt(True, "run")
     # rollouts at 0.7: on the default job GRPO then raised the greedy held-out reward by
     # +0.052 (0.673 -> 0.725) in 120 steps, against +0.030 at temperature 1.0
-    temperature: float = opt(0.7, "rft_data grpo", "> 0")
-    top_k: int = opt(0, "rft_data grpo", ">= 0")  # 0 = off
+    temperature: float = opt(0.7, "rft_data grpo", "(0, 100]")
+    top_k: int = opt(0, "rft_data grpo", "0..1048576")  # 0 = off
     top_p: float = opt(1.0, "rft_data grpo", "(0, 1]")  # 1.0 = off
 
     # ---- rollout engine (mini_grpo/engines; docs/guide.md "Rollouts with vLLM") ----
@@ -128,37 +129,39 @@ class GRPOConfig:
     # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
     vllm_mode: Literal["colocate", "server"] = opt("colocate", "run")
     vllm_server_url: str = opt("http://127.0.0.1:8000", "run")
-    vllm_server_timeout: float = opt(600.0, "run", "> 0")  # seconds for one request or weight push
+    # seconds for one request or weight push
+    vllm_server_timeout: float = opt(600.0, "run", "(0, 86400]")
     # auto: bf16 on GPUs
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
     # on a GPU: its share for the engine
     vllm_gpu_memory_utilization: float = opt(0.3, "run", "(0, 1]")
     # colocate: consecutive ranks sharing one engine
-    vllm_tensor_parallel_size: int = opt(1, "run", "> 0")
+    vllm_tensor_parallel_size: int = opt(1, "run", "1..1024")
     # colocate on GPUs: free the engine's memory between rollouts
     vllm_sleep: bool = opt(False, "run")
     # 0: from the GPU share; on a CPU, one step's rows
-    vllm_kv_cache_gib: float = opt(0.0, "run", ">= 0")
+    vllm_kv_cache_gib: float = opt(0.0, "run", "[0, 1e6]")
     # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
     # token's policy-gradient term (TRL and verl use about 2); 0 = off
-    vllm_is_cap: float = opt(2.0, "loss", ">= 0")
+    vllm_is_cap: float = opt(2.0, "loss", "[0, 1e6]")
 
     # ---- GRPO ----
-    max_steps: int = opt(150, "grpo", "> 0", env="MAX_STEPS")  # GRPO steps
+    max_steps: int = opt(150, "grpo", "1..10000000", env="MAX_STEPS")  # GRPO steps
     # global batch of prompts; each gets group_size completions
     prompts_per_step: int = opt(16, "grpo", "> 0", at_most=MAX_GENERATED)
     # G completions per prompt (at least 2: advantages compare within a group)
     group_size: int = opt(8, "grpo resume", at_most=MAX_GENERATED)
     # rows per forward/backward, in whole groups (at least one)
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
-    num_iterations: int = opt(1, "grpo", "> 0")  # policy passes per rollout
-    lr: float = opt(3e-5, "grpo", ">= 0")  # 1e-4 drove KL to ~0.2 and left the greedy reward flat
-    weight_decay: float = opt(0.0, "sft grpo", ">= 0")
-    warmup_steps: int = opt(10, "sft grpo", ">= 0")
-    grad_clip: float = opt(1.0, "sft grpo", ">= 0")
-    beta: float = opt(0.04, "loss", ">= 0")  # KL weight; 0 skips the reference model
-    epsilon_low: float = opt(0.2, "loss", ">= 0")
-    epsilon_high: float = opt(0.28, "loss", ">= 0")  # DAPO clip-higher
+    num_iterations: int = opt(1, "grpo", "1..1000")  # policy passes per rollout
+    # 1e-4 drove KL to ~0.2 and left the greedy reward flat
+    lr: float = opt(3e-5, "grpo", "[0, 10]")
+    weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")
+    warmup_steps: int = opt(10, "sft grpo", "0..10000000")
+    grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")
+    beta: float = opt(0.04, "loss", "[0, 1e6]")  # KL weight; 0 skips the reference model
+    epsilon_low: float = opt(0.2, "loss", "[0, 1]")
+    epsilon_high: float = opt(0.28, "loss", "[0, 1e6]")  # DAPO clip-higher
     scale_rewards: Literal["group", "batch", "none"] = opt("group", "grpo")
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
     dynamic_sampling: bool = opt(False, "grpo")  # drop groups whose rewards are all equal
@@ -168,9 +171,9 @@ class GRPOConfig:
     # ---- SFT warm start ----
     # the task is compute-bound: 1000 steps (5.7 min at ~24k tok/s under bf16) reached 18%
     # exact and 69% valid greedy FENs on held-out games
-    sft_steps: int = opt(1200, "sft", ">= 0")
+    sft_steps: int = opt(1200, "sft", "0..10000000")
     sft_batch_size: int = opt(64, "sft", "> 0", at_most=MAX_GENERATED)
-    sft_lr: float = opt(1e-3, "sft", ">= 0")
+    sft_lr: float = opt(1e-3, "sft", "[0, 10]")
 
     # ---- rejection-sampling fine-tuning (mode: rft) ----
     # completions sampled per prompt
@@ -178,21 +181,22 @@ class GRPOConfig:
     # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
     # the 2-core CPU (docs/guide.md's RFT table); GPUs want far larger passes
     rft_prompts_per_batch: int = opt(8, "run", "> 0", at_most=MAX_GENERATED)
-    rft_min_reward: float = opt(0.9, "rft_data")  # keep a completion only at or above this reward
+    # keep a completion only at or above this reward
+    rft_min_reward: float = opt(0.9, "rft_data", "[-1e9, 1e9]")
     # per prompt: the best one, or every distinct one
     rft_keep: Literal["best", "all"] = opt("best", "rft_data")
     # distinct training prompts to generate for (0 = the split)
-    rft_num_prompts: int = opt(2048, "rft_data", ">= 0")
-    rft_sft_steps: int = opt(300, "rft", ">= 0")  # SFT steps on the accepted completions
-    rft_lr: float = opt(3e-4, "rft", ">= 0")
+    rft_num_prompts: int = opt(2048, "rft_data", "0..10000000")
+    rft_sft_steps: int = opt(300, "rft", "0..10000000")  # SFT steps on the accepted completions
+    rft_lr: float = opt(3e-4, "rft", "[0, 10]")
 
     # ---- evaluation, logging, checkpoints ----
-    eval_every: int = opt(50, "run", "> 0")
-    log_every: int = opt(1, "run", "> 0")
+    eval_every: int = opt(50, "run", "1..10000000")
+    log_every: int = opt(1, "run", "1..10000000")
     # metrics.jsonl always; plus any of tensorboard, wandb (pip install -e .[wandb])
     report_to: list = opt(["tensorboard"], "run")
-    save_every: int = opt(50, "run", "> 0")
-    keep_checkpoints: int = opt(3, "run", "> 0")
+    save_every: int = opt(50, "run", "1..10000000")
+    keep_checkpoints: int = opt(3, "run", "1..10000")
     # the run's end writes <out_dir>/hf/, a Hugging Face directory (transformers, vLLM), in
     # this dtype; auto = the dtype init_from's config.json names, else float32
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
@@ -205,7 +209,7 @@ class GRPOConfig:
     fsdp_cpu_offload: bool = opt(False, "run")
     # fsdp: ranks one copy of the model is sharded over (HSDP: shard within a node, replicate
     # across nodes, e.g. 8); 0 = all of them
-    fsdp_shard_size: int = opt(0, "run", ">= 0")
+    fsdp_shard_size: int = opt(0, "run", "0..65536")
 
     # ---- precision and speed ----
     # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
@@ -228,15 +232,15 @@ class GRPOConfig:
     # keep the reference model's weights on CPU (under fsdp: instead of sharding them)
     offload_reference: bool = opt(False, "run", env="OFFLOAD_REFERENCE")
     # torch intra-op threads per process; 0 = cores / local ranks
-    num_threads: int = opt(0, "run", ">= 0", env="NUM_THREADS")
+    num_threads: int = opt(0, "run", "0..4096", env="NUM_THREADS")
     # CPU runs (glibc): keep freed memory for reuse instead of handing big tensors back to the
     # OS, whose page faults on every fresh buffer cost 1.4x on the production model's policy
     # update (precision.keep_freed_memory); the price is a process that never shrinks
     cpu_malloc_cache: bool = opt(True, "run", env="CPU_MALLOC_CACHE")
     # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
-    guard_patience: int = opt(3, "run", "> 0")
+    guard_patience: int = opt(3, "run", "1..1000")
     # a collective that waits longer than this (a dead or stuck rank) fails the job
-    dist_timeout: float = opt(600.0, "run", "> 0")
+    dist_timeout: float = opt(600.0, "run", "(0, 604800]")
 
     def validate(self) -> None:
         """Range checks types cannot express (values are typed and finite: fields.coerce);
@@ -247,6 +251,10 @@ class GRPOConfig:
             raise ConfigError(f"prompts_per_step: {self.prompts_per_step:,} prompts x group_size "
                               f"{self.group_size:,} = {rows:,} rows per step, more than "
                               f"{MAX_GENERATED:,}")
+        cores = os.cpu_count() or 1
+        if self.num_threads > 4 * cores:  # more threads than cores is ruinous already
+            raise ConfigError(f"num_threads: {self.num_threads} threads on {cores} cores; at "
+                              f"most 4 x the cores ({4 * cores}), or 0 for cores / local ranks")
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
+import typing
 from typing import Any
 
 from .fields import ConfigError
@@ -78,6 +80,23 @@ def check_ranges(cfg) -> None:
             raise ConfigError(f"{f.name}: {checker[1]}, got {value}")
         if meta.get("at_most") and value > meta["at_most"]:
             raise ConfigError(f"{f.name}: must be <= {meta['at_most']:,}, got {value:,}")
+
+
+def unbounded(cls) -> list[str]:
+    """The numeric fields of `cls` (int, float) declared without a finite range: an interval
+    with finite ends, "LO..HI", or `at_most`. Every number a user gives must have one, or it
+    reaches Python's limits (an OverflowError, a million threads) instead of a clear error."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if hints[f.name] not in (int, float):
+            continue
+        check, m = f.metadata.get("check", ""), _INTERVAL.match(f.metadata.get("check", ""))
+        finite = (re.fullmatch(r"-?\d+\.\.\d+", check) or f.metadata.get("at_most")
+                  or m and math.isfinite(float(m[2])) and math.isfinite(float(m[3])))
+        if not finite:
+            out.append(f.name)
+    return out
 
 
 def keys_with(cls, *roles: str) -> tuple[str, ...]:

@@ -50,14 +50,16 @@ def test_bare_name_is_looked_up_in_configs():
 @pytest.mark.parametrize("yaml_text, args, env, expected", [
     ("lrr: 0.1\n", [], {}, ["lrr", "did you mean 'lr'", ":1:"]),
     ("seed: 1\nlr: fast\n", [], {}, ["lr", "fast", ":2:"]),
-    ("lr: -0.1\n", [], {}, ["bad.yaml:1: lr: must be >= 0"]),
+    ("lr: -0.1\n", [], {}, ["bad.yaml:1: lr: must be in [0, 10], got -0.1"]),
     # a range error says where the value was set: file and line, variable, command line
     ("seed: 1\ntask: countdown\ntask_args:\n  max_numbers: 9\n", [], {},
      ["bad.yaml:3: task_args.max_numbers: must be in 3..6, got 9"]),
-    ("", [], {"MAX_STEPS": "-3"}, ["environment variable MAX_STEPS: max_steps: must be > 0"]),
-    ("max_steps: 4\n", ["--max_steps=-3"], {}, ["command line: --max_steps: must be > 0"]),
+    ("", [], {"MAX_STEPS": "-3"},
+     ["environment variable MAX_STEPS: max_steps: must be in 1..10000000"]),
+    ("max_steps: 4\n", ["--max_steps=-3"], {},
+     ["command line: --max_steps: must be in 1..10000000"]),
     ("group_size: 1\n", [], {}, ["group_size", ">= 2"]),
-    ("temperature: 0\n", [], {}, ["temperature", "> 0"]),
+    ("temperature: 0\n", [], {}, ["temperature: must be in (0, 100], got 0"]),
     ("seed: 1\nlr: [1, 2\n", [], {}, ["malformed YAML", ":3"]),
     ("", [], {"USE_AMP": "maybe"}, ["USE_AMP", "maybe"]),
     ("", ["--max_stepz=3"], {}, ["max_stepz", "did you mean 'max_steps'"]),
@@ -80,9 +82,9 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--rollout_engine=vllm"], {}, ["rollout_engine: vllm serves Hugging Face models",
                                          "init_from"]),
     ("", ["--vllm_gpu_memory_utilization=0"], {}, ["vllm_gpu_memory_utilization: must be in"]),
-    ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be >= 0"]),
+    ("", ["--vllm_is_cap=-1"], {}, ["vllm_is_cap: must be in [0, 1e6]"]),
     ("", ["--vllm_mode=nowhere"], {}, ["vllm_mode", "colocate", "server"]),
-    ("", ["--vllm_tensor_parallel_size=0"], {}, ["vllm_tensor_parallel_size: must be > 0"]),
+    ("", ["--vllm_tensor_parallel_size=0"], {}, ["vllm_tensor_parallel_size: must be in 1..1024"]),
     ("", ["--vllm_server_url=localhost:8000"], {}, ["vllm_server_url: must be an http:// or "
                                                     "https:// URL", "localhost:8000"]),
     ("", ["--vllm_server_url=http://[::1"], {}, ["vllm_server_url: 'http://[::1' is not a "
@@ -94,6 +96,16 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--prompts_per_step=2000000"], {}, ["prompts_per_step: 2,000,000 prompts x "
                                               "group_size 8 = 16,000,000 rows per step"]),
     ("", ["--micro_batch_size=1000000000"], {}, ["micro_batch_size: must be <= 10,000,000"]),
+    # every number has a finite range: past it, one line naming the option and the range
+    ("", ["--reward_timeout=1e308"], {}, ["reward_timeout: must be in (0, 86400], got 1e+308"]),
+    ("", ["--num_threads=1000000"], {}, ["num_threads: must be in 0..4096, got 1000000"]),
+    ("", ["--num_threads=4000"], {}, ["num_threads: 4000 threads on", "at most 4 x the cores"]),
+    ("", ["--num_iterations=1000000000000"], {}, ["num_iterations: must be in 1..1000"]),
+    ("", ["--lr=1e308"], {}, ["lr: must be in [0, 10], got 1e+308"]),
+    ("", ["--dist_timeout=1e308"], {}, ["dist_timeout: must be in (0, 604800]"]),
+    ("", ["--top_k=1000000000000"], {}, ["top_k: must be in 0..1048576"]),
+    ("", ["--warmup_steps=1000000000000000000"], {}, ["warmup_steps: must be in 0..10000000"]),
+    ("", ["--save_every=1000000000000000000"], {}, ["save_every: must be in 1..10000000"]),
     ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true", "--init_from=x"], {},
      ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])
@@ -130,7 +142,7 @@ def test_env_values_are_parsed_by_type():
         (True, 3, "float16", False)
     with pytest.raises(ConfigError, match="NUM_WORKERS"):
         load_config(None, env={"NUM_WORKERS": "two"})
-    with pytest.raises(ConfigError, match="num_reward_workers: must be > 0"):
+    with pytest.raises(ConfigError, match=r"num_reward_workers: must be in 1\.\.1024"):
         load_config(None, env={"NUM_WORKERS": "0"})
 
 
@@ -278,8 +290,8 @@ def test_help_lists_every_option_with_its_default(capsys):
         text = capsys.readouterr().out
         for f in dataclasses.fields(GRPOConfig):
             assert f"  --{f.name} (" in text, f.name
-        assert "  --lr (float, default 3e-05; >= 0)" in text
-        assert "  --lora_r (int, default 0; >= 0; env LORA_R)\n      adapters of this rank" in text
+        assert "  --lr (float, default 3e-05; [0, 10])" in text
+        assert "  --lora_r (int, default 0; 0..65536; env LORA_R)\n      adapters of this rank" in text
         assert "  --seed (int, default 1337; 0..4294967295; env SEED)" in text
 
 
@@ -317,6 +329,23 @@ def test_every_option_declares_its_roles():
         opt(3, "sft shapes")
     with pytest.raises(TypeError, match="a check is"):
         opt(3, "run", "positive")
+
+
+def test_every_numeric_option_has_a_finite_range():
+    """An int or float option without an upper bound reaches Python's limits (OverflowError,
+    a million threads): every one declares a finite range, and one added without is found."""
+    from mini_grpo.options import opt, unbounded
+
+    assert unbounded(GRPOConfig) == []
+
+    @dataclasses.dataclass
+    class WithOpenKnob(GRPOConfig):
+        open_knob: float = opt(1.0, "run", "> 0")
+        open_count: int = opt(1, "run")
+        closed: float = opt(1.0, "run", "(0, 2]")
+        flag: bool = opt(False, "run")
+
+    assert unbounded(WithOpenKnob) == ["open_knob", "open_count"]
 
 
 def test_keys_derived_from_roles():
