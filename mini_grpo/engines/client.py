@@ -15,6 +15,7 @@ unreachable server is a ConfigError then, and one that fails or dies mid-run an 
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import re
@@ -61,6 +62,17 @@ def shapes(config: dict) -> dict:
 
 MAX_REPLY_BYTES = 1 << 28  # a rollout of thousands of rows is a few MB of JSON
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused as any other error status: urllib would read its body whole
+    before following it, past MAX_REPLY_BYTES and the deadline."""
+
+    def redirect_request(self, *args):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 class ServerEngine:
@@ -123,27 +135,33 @@ class ServerEngine:
                                      headers={"Content-Type": "application/json"})
         deadline = time.monotonic() + self.timeout
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw, size = [], 0
-                while chunk := resp.read1(1 << 16):
-                    size += len(chunk)
-                    if size > MAX_REPLY_BYTES or time.monotonic() > deadline:
-                        raise EngineError(f"the vLLM server at {self.url} sent a reply to "
-                                          f"{path} " + ("over 256 MiB" if size > MAX_REPLY_BYTES
-                                                        else "too slowly"))
-                    raw.append(chunk)
-            return self._parse(b"".join(raw), path)
+            with _OPENER.open(req, timeout=self.timeout) as resp:
+                return self._parse(self._read(resp, path, deadline), path)
         except urllib.error.HTTPError as e:
             try:
-                reason = json.loads(e.read()).get("error", e.reason)
-            except (ValueError, AttributeError):
+                reason = json.loads(self._read(e, path, deadline)).get("error", e.reason)
+            except (ValueError, AttributeError, http.client.HTTPException, OSError):
                 reason = e.reason
+            finally:
+                e.close()  # its socket now, not when the error is collected
             raise EngineError(f"the vLLM server at {self.url} refused {path}: {reason}") \
                 from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
             reason = getattr(e, "reason", None) or e
             raise EngineError(f"no answer from the vLLM server at {self.url} ({path}): "
                               f"{reason}") from None
+
+    def _read(self, resp, path: str, deadline: float) -> bytearray:
+        """A reply's body, an error's too, in bounded chunks up to MAX_REPLY_BYTES and
+        `deadline`, whether or not it states a Content-Length (chunked, or up to the close)."""
+        raw = bytearray()  # not a list of chunks: a server's one-byte chunks cost one byte
+        while chunk := resp.read1(1 << 16):
+            raw += chunk
+            if len(raw) > MAX_REPLY_BYTES or time.monotonic() > deadline:
+                raise EngineError(f"the vLLM server at {self.url} sent a reply to {path} " +
+                                  (f"over {MAX_REPLY_BYTES >> 20} MiB"
+                                   if len(raw) > MAX_REPLY_BYTES else "too slowly"))
+        return raw
 
     def _parse(self, raw: bytes, path: str) -> dict:
         try:

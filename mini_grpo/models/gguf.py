@@ -20,7 +20,9 @@ stay f32, as llama.cpp's converter keeps them).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,11 @@ MAX_TENSORS = 1 << 16  # a 70B model has ~700
 MAX_KV = 1 << 12  # metadata keys: a few dozen in practice
 MAX_ARRAY = 1 << 22  # the largest vocabularies (token lists, merges) are ~260k
 MAX_STRING = 4 << 20  # a chat template is a few kB; tokens and keys far less
+# what the keys, strings, arrays and tensor names may take once read, all together, charged
+# before each is allocated: a string 64 bytes and its text (a str and its list slot), an
+# array's number 40 (an int or float and its slot), however few bytes it spends in the file
+# (one for u8). The largest vocabularies (~260k tokens, merges and types) take ~40 MB.
+MAX_HEADER_MEMORY = 64 << 20
 MAX_DIMS = 4
 ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture -> config.json's model_type
 OURS = "mini_grpo.export"  # a metadata key of the files write_gguf writes
@@ -70,6 +77,7 @@ class _Cursor:
 
     def __init__(self, buf, path: Path):
         self.buf, self.pos, self.path = buf, 0, path
+        self.left = MAX_HEADER_MEMORY
 
     def fail(self, what: str):
         raise CheckpointError(f"{self.path}: not a valid GGUF file ({what}, at byte {self.pos})")
@@ -81,6 +89,12 @@ class _Cursor:
         self.pos += n
         return out
 
+    def spend(self, n: int, what: str) -> None:
+        self.left -= n
+        if self.left < 0:
+            self.fail(f"{what}: the keys, strings and arrays take over "
+                      f"{MAX_HEADER_MEMORY >> 20} MiB of memory in all")
+
     def scalar(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
@@ -88,6 +102,7 @@ class _Cursor:
         n = self.scalar("<Q")
         if n > MAX_STRING:
             self.fail(f"{what}: a string of {n} bytes")
+        self.spend(64 + n, what)
         try:
             return self.take(n).decode("utf-8")
         except UnicodeDecodeError:
@@ -105,6 +120,7 @@ class _Cursor:
             self.fail(f"{key}: an array of {n} items (at most {MAX_ARRAY})")
         if item in _NP:  # numbers: one read, bounded by the file
             size = np.dtype(_NP[item]).itemsize
+            self.spend(40 * n, key)
             values = np.frombuffer(self.take(n * size), dtype=_NP[item])
             return values.astype(bool).tolist() if item == 7 else values.tolist()
         if item != STRING:  # llama.cpp writes no nested arrays
@@ -176,6 +192,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
             c.fail(f"tensor {name[:80]}: its {nbytes} bytes at offset {offset} are not in "
                    f"the file")
         tensors[name] = TensorInfo(tuple(reversed(dims)), qtype, start + offset, nbytes)
+    spans = sorted((t.offset, t.offset + t.nbytes, name) for name, t in tensors.items())
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if end > begin:
+            c.fail(f"tensors {a[:80]} and {b[:80]} overlap")
     buf.close()
     return GGUFFile(path, meta, tensors)
 
@@ -433,7 +453,13 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         w.close()
         tmp.replace(path)
     except OSError as e:  # disk full: no half-written file, the old one untouched
-        raise OutputWriteError(f"cannot write {path}: {write_reason(e)}") from e
+        with contextlib.suppress(OSError):  # its buffer unflushed: closed now, not at exit
+            w.close()
+        # numpy's tofile reports a short write without its errno: "6144 requested and 3520
+        # written" is the disk filling up under it
+        short = re.fullmatch(r"\d+ requested and \d+ written", str(e))
+        raise OutputWriteError(f"cannot write {path}: "
+                               f"{'disk full' if short else write_reason(e)}") from e
     finally:
         tmp.unlink(missing_ok=True)
     return path
