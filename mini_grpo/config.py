@@ -85,11 +85,11 @@ class GRPOConfig:
 
     # ---- model ----
     # our GPT's shape, for runs from scratch (init_from names its own model)
-    n_layer: int = opt(4, "sft resume", "1..1024")
-    n_head: int = opt(4, "sft resume", "1..1024")
-    n_embd: int = opt(256, "sft resume", "1..65536")
+    n_layer: int = opt(4, "sft resume", "1..1048576")
+    n_head: int = opt(4, "sft resume", "1..65536")
+    n_embd: int = opt(256, "sft resume", "1..16777216")
     # longest prompt + completion, in tokens (+ bos/eos)
-    block_size: int = opt(192, "sft resume", "1..1048576")
+    block_size: int = opt(192, "sft resume", "1..16777216")
     # prompts through the tokenizer's chat template as a user message (a Hugging Face
     # tokenizer's; auto = when it has one), after an optional system message
     chat_template: Literal["auto", "on", "off"] = opt("auto", "sft resume")
@@ -155,7 +155,7 @@ class GRPOConfig:
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
     num_iterations: int = opt(1, "grpo", "1..1000")  # policy passes per rollout
     # 1e-4 drove KL to ~0.2 and left the greedy reward flat
-    lr: float = opt(3e-5, "grpo", "[0, 10]")
+    lr: float = opt(3e-5, "grpo", "[0, 1e6]")
     weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")
     warmup_steps: int = opt(10, "sft grpo", "0..10000000")
     grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")
@@ -173,7 +173,7 @@ class GRPOConfig:
     # exact and 69% valid greedy FENs on held-out games
     sft_steps: int = opt(1200, "sft", "0..10000000")
     sft_batch_size: int = opt(64, "sft", "> 0", at_most=MAX_GENERATED)
-    sft_lr: float = opt(1e-3, "sft", "[0, 10]")
+    sft_lr: float = opt(1e-3, "sft", "[0, 1e6]")
 
     # ---- rejection-sampling fine-tuning (mode: rft) ----
     # completions sampled per prompt
@@ -188,7 +188,7 @@ class GRPOConfig:
     # distinct training prompts to generate for (0 = the split)
     rft_num_prompts: int = opt(2048, "rft_data", "0..10000000")
     rft_sft_steps: int = opt(300, "rft", "0..10000000")  # SFT steps on the accepted completions
-    rft_lr: float = opt(3e-4, "rft", "[0, 10]")
+    rft_lr: float = opt(3e-4, "rft", "[0, 1e6]")
 
     # ---- evaluation, logging, checkpoints ----
     eval_every: int = opt(50, "run", "1..10000000")

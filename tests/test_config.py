@@ -50,7 +50,7 @@ def test_bare_name_is_looked_up_in_configs():
 @pytest.mark.parametrize("yaml_text, args, env, expected", [
     ("lrr: 0.1\n", [], {}, ["lrr", "did you mean 'lr'", ":1:"]),
     ("seed: 1\nlr: fast\n", [], {}, ["lr", "fast", ":2:"]),
-    ("lr: -0.1\n", [], {}, ["bad.yaml:1: lr: must be in [0, 10], got -0.1"]),
+    ("lr: -0.1\n", [], {}, ["bad.yaml:1: lr: must be in [0, 1e6], got -0.1"]),
     # a range error says where the value was set: file and line, variable, command line
     ("seed: 1\ntask: countdown\ntask_args:\n  max_numbers: 9\n", [], {},
      ["bad.yaml:3: task_args.max_numbers: must be in 3..6, got 9"]),
@@ -101,7 +101,7 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--num_threads=1000000"], {}, ["num_threads: must be in 0..4096, got 1000000"]),
     ("", ["--num_threads=4000"], {}, ["num_threads: 4000 threads on", "at most 4 x the cores"]),
     ("", ["--num_iterations=1000000000000"], {}, ["num_iterations: must be in 1..1000"]),
-    ("", ["--lr=1e308"], {}, ["lr: must be in [0, 10], got 1e+308"]),
+    ("", ["--lr=1e308"], {}, ["lr: must be in [0, 1e6], got 1e+308"]),
     ("", ["--dist_timeout=1e308"], {}, ["dist_timeout: must be in (0, 604800]"]),
     ("", ["--top_k=1000000000000"], {}, ["top_k: must be in 0..1048576"]),
     ("", ["--warmup_steps=1000000000000000000"], {}, ["warmup_steps: must be in 0..10000000"]),
@@ -290,8 +290,9 @@ def test_help_lists_every_option_with_its_default(capsys):
         text = capsys.readouterr().out
         for f in dataclasses.fields(GRPOConfig):
             assert f"  --{f.name} (" in text, f.name
-        assert "  --lr (float, default 3e-05; [0, 10])" in text
-        assert "  --lora_r (int, default 0; 0..65536; env LORA_R)\n      adapters of this rank" in text
+        assert "  --lr (float, default 3e-05; [0, 1e6])" in text
+        assert "  --lora_r (int, default 0; 0..65536; env LORA_R)\n      adapters of this " \
+            "rank" in text
         assert "  --seed (int, default 1337; 0..4294967295; env SEED)" in text
 
 
