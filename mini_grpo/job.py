@@ -32,7 +32,7 @@ from .outputs import write_file
 from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
-from .sft import train_sft
+from .sft import finished_stage, sft_dir, train_sft
 from .tasks import load_jsonl
 from .trainer import train_grpo
 
@@ -50,6 +50,8 @@ def train(cfg) -> dict:
     stages = STAGES[cfg.mode]
     with setup(cfg) as run:
         resume = find_resume(run) if "grpo" in stages else None
+        if run.logger:  # a killed run's rows past where this one continues are logged again
+            run.logger.cut(logged_until(cfg, stages, resume))
         if run.dist.is_main:
             cfg.save(Path(cfg.out_dir) / "config.yaml")
         amp = True  # autocast trusted; a stage whose guard cuts it hands fp32 on (state.py)
@@ -112,6 +114,23 @@ def export(run: Run, weights: dict) -> None:
         path = save_adapter(run.model, out / "adapter", run.cfg.init_from, state=weights)
         print(f"[mini-grpo] exported {path}: the LoRA adapter alone, in PEFT's format",
               flush=True)
+
+
+def rft_dir(cfg) -> Path:
+    return Path(cfg.out_dir) / "rft"
+
+
+def logged_until(cfg, stages: tuple, resume: dict | None) -> int | None:
+    """How much of metrics.jsonl this job continues from: what the GRPO checkpoint it
+    resumes, or else the last finished stage it reuses, had logged when saved; 0 when every
+    stage starts afresh (None: a checkpoint from before it was recorded, kept as it is)."""
+    if resume is not None:
+        return resume.get("logged")
+    reused = [finished_stage(cfg, d, n, tag) for tag, d, n in (
+        ("sft", sft_dir(cfg), cfg.sft_steps), ("rft", rft_dir(cfg) / "sft", cfg.rft_sft_steps))
+        if tag in stages]
+    reused = [found for found in reused if found is not None]
+    return reused[-1][1].get("logged") if reused else 0
 
 
 def find_resume(run: Run) -> dict | None:
@@ -192,7 +211,7 @@ def run_rft(run: Run, amp: bool) -> bool:
     SFT's autocast verdict."""
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
-    data = Path(cfg.out_dir) / "rft" / "data.jsonl"
+    data = rft_dir(cfg) / "data.jsonl"
     with fsdp.full_params(run.model):  # each rank samples alone
         # the run's own directory: data of other settings there is regenerated, not refused
         generate_rft_data(run, examples, data, amp, replace_stale=True)

@@ -37,6 +37,13 @@ class RunLogger:
             self.wandb = _wandb_run(self.out_dir, config)
         self.start_clock(0)
 
+    def cut(self, size: int | None) -> None:
+        """metrics.jsonl back to `size` bytes (None: as it is): the rows a killed run logged
+        after the checkpoint this one continues from, which it logs again."""
+        if size is not None and 0 <= size < self.jsonl.size:
+            os.truncate(self.jsonl.path, size)
+            self.jsonl.size = size
+
     def start_clock(self, step: int) -> None:
         """ETAs count from here: call when the timed loop starts at `step` (0 = fresh)."""
         self.t0, self.first_step = time.perf_counter(), step

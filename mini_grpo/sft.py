@@ -53,17 +53,26 @@ def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
     return [k for k in STAGE_KEYS[tag] if saved.get(k) != now.get(k)]
 
 
-def _reusable(run: Run, directory: Path, steps: int, tag: str):
-    """The finished stage's checkpoint if it can be reused, else None (says why)."""
+def finished_stage(cfg, directory: Path, steps: int, tag: str, say=None):
+    """(path, state) of the finished stage in `directory` if it can be reused, else None
+    (`say`: told why not)."""
     path, state = latest_checkpoint(directory)
     if state is None or state.get("step") != steps:
         return None
-    changed = stage_changes(state.get("config") or {}, run.cfg, tag)
+    changed = stage_changes(state.get("config") or {}, cfg, tag)
     if changed:
-        run.print0(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
+        if say:
+            say(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
         return None
-    run.print0(f"[{tag}] reusing finished stage from {path}")
     return path, state
+
+
+def _reusable(run: Run, directory: Path, steps: int, tag: str):
+    """The finished stage's checkpoint if it can be reused, else None (says why)."""
+    found = finished_stage(run.cfg, directory, steps, tag, run.print0)
+    if found is not None:
+        run.print0(f"[{tag}] reusing finished stage from {found[0]}")
+    return found
 
 
 def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag="sft",

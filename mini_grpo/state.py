@@ -155,6 +155,8 @@ class TrainState:
         written)."""
         meta = {"kind": self.tag, "step": step, "guard": self.guard.state_dict(),
                 "rng": D.all_gather_object(rng_state(self.gen)),  # every rank's
+                # metrics.jsonl's size: a run continuing from here cuts the rows after it
+                "logged": self.logger.jsonl.size if self.logger else None,
                 **self.identity}
         if optimizer:
             meta["scaler"] = self.scaler.state_dict()

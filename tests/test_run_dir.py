@@ -153,3 +153,21 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
         proc.wait()
     assert list_checkpoints(out / "checkpoints")
     os.close(claim_run_dir(out))
+
+
+def test_a_resumed_run_logs_the_rows_of_the_run_left_alone(tmp_path):
+    """A run killed after logging steps past its last checkpoint: the resumed one cuts
+    metrics.jsonl back to what that checkpoint had logged, so no step appears twice and the
+    rows (times aside) equal those of the run left alone."""
+    def rows(out):
+        clock = ("time", "per_s", "seconds")
+        return [{k: v for k, v in m.items() if not any(t in k for t in clock)}
+                for m in metrics(out)]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for out in (straight, killed):
+        train(tiny(out, max_steps=4, save_every=2, eval_every=3, num_eval=4))
+    (killed / "checkpoints" / "step_0000004.pt").unlink()  # killed before step 4's save
+    train(tiny(killed, max_steps=4, save_every=2, eval_every=3, num_eval=4))
+    assert rows(killed) == rows(straight)
+    assert [m["step"] for m in metrics(killed) if "reward/mean" in m] == [1, 2, 3, 4]
