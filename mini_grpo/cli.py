@@ -38,6 +38,14 @@ def _fail(e: Exception, code: int = 2) -> int:
     return code
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line and exit 2 like any other bad input (`train`'s included); the
+    usage block stays behind --help."""
+
+    def error(self, message):
+        sys.exit(_fail(ValueError(message.removeprefix("argument "))))
+
+
 def _guarded(fn) -> int:
     """Runs fn(); bad input (config, data, plugin, checkpoint) is one line and exit 2, a run
     that cannot go on (non-finite training, a checkpoint that cannot be written) one line
@@ -107,8 +115,7 @@ def _from_checkpoint(path: str, rest: list[str]):
 
 
 def evaluate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="mini-grpo evaluate",
-                                 description="held-out evaluation of a checkpoint")
+    ap = _Parser(prog="mini-grpo evaluate", description="held-out evaluation of a checkpoint")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--json", help="also write the results here")
     args, rest = ap.parse_known_args(argv)
@@ -150,9 +157,9 @@ def _our_eval_json(path) -> bool:
 
 
 def sample_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="mini-grpo sample",
-                                 description="sample completions from a checkpoint (any "
-                                             "config field as --key=value)")
+    ap = _Parser(prog="mini-grpo sample",
+                 description="sample completions from a checkpoint (any config field as "
+                             "--key=value)")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--prompt", required=True, action="append",
                     help="prompt text (repeatable), e.g. 'e2e4 e7e5:'")
@@ -231,9 +238,9 @@ def check_sample_args(args) -> None:
 
 
 def rft_generate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="mini-grpo rft-generate",
-                                 description="rejection-sampling data from a checkpoint "
-                                             "(any config field as --key=value)")
+    ap = _Parser(prog="mini-grpo rft-generate",
+                 description="rejection-sampling data from a checkpoint (any config field "
+                             "as --key=value)")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--output", required=True,
                     help="JSONL file to write; an earlier output of this command with the same "
@@ -257,9 +264,9 @@ def rft_generate_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="mini-grpo export",
-                                 description="a checkpoint as a Hugging Face model directory, "
-                                             "or as one GGUF file (--output X.gguf)")
+    ap = _Parser(prog="mini-grpo export",
+                 description="a checkpoint as a Hugging Face model directory, or as one GGUF "
+                             "file (--output X.gguf)")
     ap.add_argument("--checkpoint", required=True,
                     help="one of our checkpoints, a Hugging Face directory or a GGUF file")
     ap.add_argument("--output", required=True,
@@ -334,7 +341,7 @@ def _check_gguf_output(output: str):
 
 
 def import_gguf_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="mini-grpo import-gguf",
         description="a GGUF file (llama.cpp's format: Llama, Qwen2/3, SmolLM2) as a Hugging "
                     "Face model directory: weights dequantized, tokenizer and chat template")
