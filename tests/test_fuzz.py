@@ -550,3 +550,39 @@ def test_command_lines_never_touch_other_files(workdir, argv):
         assert before.get(name) == after.get(name), (argv, name)
     for name in set(after) - set(before):  # no temporaries left beside what it wrote
         assert ".tmp" not in name, (argv, name)
+
+
+# a training run's out_dir among a user's folders: a run directory of an older version, the
+# current one and those above it, a file, an export, a fresh folder (which a first run claims)
+OUT_DIRS = st.sampled_from(["run", ".", "..", "notes.txt", "exp", "exp/..", "run/checkpoints",
+                            "data.jsonl", "fresh/run", "fresh/run/..", "exp/model.safetensors"])
+
+
+@settings(max_examples=max(20, settings.default.max_examples // 12))  # some train a step
+@given(out=OUT_DIRS, resume=st.sampled_from(["auto", "never"]))
+def test_training_never_writes_into_a_users_folder(workdir, out, resume):
+    """`train` with out_dir drawn among a user's folders: one line of exit 2 where the folder
+    is not a new, empty or run directory, else a run whose every file is inside out_dir; no
+    other file changes."""
+    import os
+
+    from mini_grpo.cli import main
+
+    before = snapshot(workdir)
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        code = within_bounds(lambda: main([
+            "train", "--config", "tiny", "--mode=grpo", "--max_steps=1", "--num_eval=2",
+            "--use_amp=false", "--reward_executor=serial", "--report_to=[]",
+            f"--resume={resume}", f"--out_dir={out}"]), seconds=60, mib=1024)
+    finally:
+        os.chdir(cwd)
+    mine = os.path.normpath(workdir / out)
+    assert code == (0 if mine == os.path.normpath(workdir / "fresh/run") else 2), (out, code)
+    after = snapshot(workdir)
+    for name in sorted(set(before) | set(after)):
+        path = os.path.normpath(workdir / name)
+        if code == 0 and path.startswith(mine + os.sep):
+            continue  # the run's own files
+        assert before.get(name) == after.get(name), (out, name)
