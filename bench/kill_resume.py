@@ -5,10 +5,11 @@ weights and metrics of the same run left alone (fp32 and bf16 autocast on CPU).
     .venv/bin/python bench/kill_resume.py --kills 3 --dtypes fp32 --json out.json
 
 For each precision: one uninterrupted run (`straight`), then the same run (`killed`) started
-again and again, each start SIGKILLed after a random delay drawn from the span of the straight
-run, until `--kills` kills have landed; then it runs to its end. The final hf/model.safetensors
-must equal the straight run's bit for bit, and metrics.jsonl must hold the same rows (every
-value but times and throughputs, which differ by nature). Prints one line per kill and a
+again and again, each start SIGKILLed after a random delay between just before the straight
+run's first checkpoint and half-way through the rest of its span, until `--kills` kills have
+landed; then it runs to its end. The final hf/model.safetensors must equal the straight run's
+bit for bit, and metrics.jsonl must hold the same rows (every value but times and
+throughputs, which differ by nature). Prints one line per kill and a
 verdict; exits 1 on a mismatch.
 """
 
@@ -25,8 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = ["--config", "tiny", "--mode=grpo", "--reward_executor=serial", "--max_steps=8",
-        "--save_every=1", "--eval_every=3", "--num_eval=8", "--report_to=[]"]
+ARGS = ["--config", "tiny", "--mode=grpo", "--reward_executor=serial", "--max_steps=40",
+        "--save_every=1", "--eval_every=10", "--num_eval=8", "--report_to=[]"]
 DTYPES = {"fp32": ["--use_amp=false"], "bf16": ["--use_amp=true", "--amp_dtype=bfloat16",
                                                 "--generation_amp=on"]}
 # what differs between two identical runs: wall-clock figures
@@ -56,18 +57,25 @@ def weights(out: Path) -> dict:
 def one(dtype: str, kills: int, work: Path, rng: random.Random) -> dict:
     extra = DTYPES[dtype]
     straight, killed = work / f"{dtype}_straight", work / f"{dtype}_killed"
-    t0 = time.perf_counter()
+    t0, first = time.perf_counter(), None
     p = launch(straight, extra)
-    _, err = p.communicate()
+    while p.poll() is None:  # when the first checkpoint appears: start-up is over by then
+        if first is None and list((straight / "checkpoints").glob("step_*")):
+            first = time.perf_counter() - t0
+        time.sleep(0.05)
     span = time.perf_counter() - t0
     if p.returncode != 0:
-        raise SystemExit(f"{dtype}: the straight run failed:\n{err[-2000:]}")
+        raise SystemExit(f"{dtype}: the straight run failed:\n{p.stderr.read()[-2000:]}")
+    first = first or span
     landed, starts, moments = 0, 0, []
     while True:
         p = launch(killed, extra)
         starts += 1
         if landed < kills:
-            delay = rng.uniform(0.5, span)
+            # from just before the first step's save to half-way through what follows:
+            # each start resumes further on, so most kills land inside training steps,
+            # saves and evaluations, some in the start-up
+            delay = rng.uniform(0.8 * first, first + (span - first) / 2)
             try:
                 p.wait(timeout=delay)
             except subprocess.TimeoutExpired:
@@ -91,8 +99,8 @@ def one(dtype: str, kills: int, work: Path, rng: random.Random) -> dict:
           f"{'identical' if same_weights else 'DIFFER'}, metrics rows "
           f"{'identical' if same_rows else 'DIFFER'} ({len(rows(killed))} rows)", flush=True)
     return {"dtype": dtype, "kills": landed, "starts": starts, "kill_moments_s": moments,
-            "straight_run_s": round(span, 1), "same_weights": same_weights,
-            "same_metrics": same_rows, "rows": len(rows(killed))}
+            "straight_run_s": round(span, 1), "first_checkpoint_s": round(first, 1),
+            "same_weights": same_weights, "same_metrics": same_rows, "rows": len(rows(killed))}
 
 
 def main() -> int:
