@@ -20,7 +20,6 @@ errors are caught before the trainer (and torch's start-up cost) is even importe
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -29,6 +28,7 @@ import sys
 import yaml
 
 from .config import ConfigError, load_config, parse_cli
+from .fields import ArgParser
 
 
 def _fail(e: Exception, code: int = 2) -> int:
@@ -36,14 +36,6 @@ def _fail(e: Exception, code: int = 2) -> int:
     its last line is in the first already)."""
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     return code
-
-
-class _Parser(argparse.ArgumentParser):
-    """A bad flag is one line and exit 2 like any other bad input (`train`'s included); the
-    usage block stays behind --help."""
-
-    def error(self, message):
-        sys.exit(_fail(ValueError(message.removeprefix("argument "))))
 
 
 def _guarded(fn) -> int:
@@ -115,7 +107,7 @@ def _from_checkpoint(path: str, rest: list[str]):
 
 
 def evaluate_main(argv: list[str]) -> int:
-    ap = _Parser(prog="mini-grpo evaluate", description="held-out evaluation of a checkpoint")
+    ap = ArgParser(prog="mini-grpo evaluate", description="held-out evaluation of a checkpoint")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--json", help="also write the results here")
     args, rest = ap.parse_known_args(argv)
@@ -157,7 +149,7 @@ def _our_eval_json(path) -> bool:
 
 
 def sample_main(argv: list[str]) -> int:
-    ap = _Parser(prog="mini-grpo sample",
+    ap = ArgParser(prog="mini-grpo sample",
                  description="sample completions from a checkpoint (any config field as "
                              "--key=value)")
     ap.add_argument("--checkpoint", required=True)
@@ -238,7 +230,7 @@ def check_sample_args(args) -> None:
 
 
 def rft_generate_main(argv: list[str]) -> int:
-    ap = _Parser(prog="mini-grpo rft-generate",
+    ap = ArgParser(prog="mini-grpo rft-generate",
                  description="rejection-sampling data from a checkpoint (any config field "
                              "as --key=value)")
     ap.add_argument("--checkpoint", required=True)
@@ -264,7 +256,7 @@ def rft_generate_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    ap = _Parser(prog="mini-grpo export",
+    ap = ArgParser(prog="mini-grpo export",
                  description="a checkpoint as a Hugging Face model directory, or as one GGUF "
                              "file (--output X.gguf)")
     ap.add_argument("--checkpoint", required=True,
@@ -341,7 +333,7 @@ def _check_gguf_output(output: str):
 
 
 def import_gguf_main(argv: list[str]) -> int:
-    ap = _Parser(
+    ap = ArgParser(
         prog="mini-grpo import-gguf",
         description="a GGUF file (llama.cpp's format: Llama, Qwen2/3, SmolLM2) as a Hugging "
                     "Face model directory: weights dequantized, tokenizer and chat template")

