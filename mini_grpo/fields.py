@@ -105,8 +105,9 @@ def unreadable(e: ValueError) -> str:
 
 
 def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
-    """`value` checked against the type `tp` (bool, int, float, str, list, dict, a Literal,
-    or an Optional of one); strings (environment, command line) are parsed first."""
+    """`value` checked against the type `tp` (bool, int, float, str, list, dict, list[T],
+    dict[K, V], a Literal, or an Optional of one); strings (environment, command line) are
+    parsed first."""
     _check_depth(key, value, where)
     optional = False
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
@@ -119,7 +120,7 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
         text = value.strip()
         if optional and text.lower() in ("", "none", "null"):
             return None
-        if tp in (list, dict):
+        if tp in (list, dict) or typing.get_origin(tp) in (list, dict):
             value = _parse_yaml_text(key, text, where)
             _check_depth(key, value, where)
     if value is None:
@@ -170,6 +171,16 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
         if isinstance(value, tp):
             return value
         raise bad()
+    origin, inner = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and len(inner) == 1:  # list[str] (a task's options): each item too
+        if not isinstance(value, list):
+            raise bad()
+        return [coerce(f"{key}[{i}]", v, inner[0], where) for i, v in enumerate(value)]
+    if origin is dict and len(inner) == 2:
+        if not isinstance(value, dict):
+            raise bad()
+        return {coerce(f"{key} key", k, inner[0], where): coerce(f"{key}.{k}", v, inner[1], where)
+                for k, v in value.items()}
     raise TypeError(f"config field {key} has an unsupported type {tp}")
 
 
