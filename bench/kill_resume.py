@@ -31,7 +31,7 @@ ARGS = ["--config", "tiny", "--mode=grpo", "--reward_executor=serial", "--max_st
 DTYPES = {"fp32": ["--use_amp=false"], "bf16": ["--use_amp=true", "--amp_dtype=bfloat16",
                                                 "--generation_amp=on"]}
 # what differs between two identical runs: wall-clock figures
-TIMING = ("time/", "per_s", "seconds", "rss", "mfu")
+TIMING = ("time/", "per_s", "seconds", "mem/")
 
 
 def launch(out: Path, extra: list[str]) -> subprocess.Popen:

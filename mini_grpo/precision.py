@@ -119,6 +119,23 @@ def attention_impl(attn_impl: str, device: torch.device, dtype: torch.dtype | No
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 
 
+def memory_gb(device: torch.device) -> dict[str, float]:
+    """This process's resident memory now (GiB; Linux's /proc, else the peak so far) and, on
+    a GPU, the most CUDA has held allocated: a step's figures, so growth shows in the log."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # macOS: bytes; Linux: KiB
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    out = {"mem/rss_gb": rss / 2**30}
+    if device.type == "cuda":
+        out["mem/cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
 def keep_freed_memory() -> bool:
     """glibc only: serve every allocation from the heap and never trim it. Returns whether the
     setting took. There is no undo: setting these parameters also ends glibc's dynamic mmap

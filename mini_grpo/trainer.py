@@ -29,6 +29,7 @@ from .data import batch_indices, shard
 from .engines import Sampling
 from .evaluate import evaluate
 from .grpo import LossSettings, group_advantages, grpo_loss, zero_spread
+from .precision import memory_gb
 from .rollout import MicroBatch, Rollout, micro_batches, score
 from .state import TrainState
 
@@ -106,7 +107,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
             run.logger.scalars(step, m)
             run.logger.progress(step, {"reward": m["reward/mean"], "kl": m["kl"],
                                        "len": m["completion_len/mean"],
-                                       "tok/s": m["tokens_per_s"]})
+                                       "tok/s": m["tokens_per_s"], "rss_gb": m["mem/rss_gb"]})
 
         # ---- periodic evaluation (rank 0; the others wait at the next collective)
         if step % cfg.eval_every == 0 and step < cfg.max_steps:
@@ -272,7 +273,8 @@ def step_metrics(r: Rollout, res, batch: Batch, stats: StepStats, cfg, times: di
     for k, col in res.columns.items():  # per plugin, over all ranks' rows
         col = torch.as_tensor(col, dtype=torch.float64)
         sums[f"{k}/s1"], sums[f"{k}/s2"] = col.sum(), col.square().sum()
-    red = D.reduce_named(sums, {"len_max": lengths.max()})
+    mem = memory_gb(r.completion_mask.device)  # the most any rank holds
+    red = D.reduce_named(sums, {"len_max": lengths.max(), **mem})
     acc = {f.name: red[f"acc/{f.name}"] for f in fields(stats)}
     iters = cfg.num_iterations
     tok = batch.num_tokens.item() * iters
@@ -296,6 +298,7 @@ def step_metrics(r: Rollout, res, batch: Batch, stats: StepStats, cfg, times: di
         m[f"reward/{k}/std"] = max(red[f"{k}/s2"] / n - mean**2, 0.0) ** 0.5
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = seconds
+    m.update({k: red[k] for k in mem})
     # scorer health (this rank's): seconds and failed rows per plugin
     m.update(res.metrics)
     return m
