@@ -49,6 +49,12 @@ def test_the_issues_absurd_sizes_are_refused_from_the_config_alone(monkeypatch):
                                 f"parameters (+ gradients and AdamW state to train), more than "
                                 f"this machine's memory (24.0 GiB)")
     check_size(gpt_spec(load_config("default", env={}), 40), "n_layer")  # 3.2M: fits
+    # a config.json's sizes can be any integer: too many bytes for a float is still one line
+    # (the long fuzz profile found an OverflowError here)
+    spec = gpt_spec(load_config("default", env={}), 40)
+    spec["config"].update(n_embd=10**160, n_head=1)  # 10^320 bytes: no float holds it
+    with pytest.raises(ValueError, match="would hold over 1,048,576 TiB of parameters"):
+        check_size(spec, "config.json")
     monkeypatch.setattr(models, "memory_bytes", lambda: None)  # a platform that cannot say
     check_size(gpt_spec(load_config("default", {"n_layer": "100000"}, env={}), 40), "n_layer")
 

@@ -135,6 +135,8 @@ def memory_bytes() -> int | None:
 
 
 def _gib(n: float) -> str:
+    if n >= 2**60:  # an int too large for a float: sizes from a file are unbounded
+        return f"over {2**20:,} TiB"
     return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
 
 
