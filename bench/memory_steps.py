@@ -1,0 +1,77 @@
+"""Resident memory and time of GRPO steps on the LM job, per allocator setting, each a process
+of its own run one after the other (never beside another heavy job):
+
+    .venv/bin/python bench/memory_steps.py --steps 8 --json out.json \
+        --variant keep:. --variant off:.:--cpu_malloc_cache=false
+
+A variant is NAME:CHECKOUT[:EXTRA_ARGS,...]: distributed_train.py of that checkout (its own
+mini_grpo) on `--config smollm2_numeric --mode=grpo` (no RFT stage, 8 held-out questions),
+checkpoints off. Reports per variant: mem/rss_gb after each step (metrics.jsonl), the
+process's peak RSS (wait4), the median step time without the first step, and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path) -> dict:
+    out = work / name
+    args = [sys.executable, str(checkout / "distributed_train.py"), "--config",
+            str(ROOT / "configs" / "smollm2_numeric.yaml"), "--mode=grpo", "--num_eval=8",
+            f"--max_steps={steps}", "--save_every=1000000", "--report_to=[]",
+            f"--init_from={ROOT / 'models' / 'smollm2-135m-instruct'}", f"--out_dir={out}",
+            *extra]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(args, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(checkout)})
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name} failed:\n{p.stderr.read().decode()[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in rows if "reward/mean" in r]
+    times = [r["time/step"] for r in steps_]
+    return {"variant": name, "args": extra, "rss_gb_per_step": [round(r["mem/rss_gb"], 3)
+                                                              for r in steps_],
+            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3),
+            "median_step_s": round(statistics.median(times[1:] or times), 2),
+            "step_s": [round(t, 2) for t in times], "wall_s": round(wall, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", action="append", required=True, help="NAME:CHECKOUT[:ARGS]")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="memory_steps_"))
+    results = []
+    for v in a.variant:
+        name, checkout, *rest = v.split(":", 2)
+        extra = rest[0].split(",") if rest and rest[0] else []
+        r = run(name, Path(checkout).resolve(), extra, a.steps, work)
+        print(f"{name}: peak {r['peak_rss_gb']} GB, rss per step {r['rss_gb_per_step']}, "
+              f"median step {r['median_step_s']} s, wall {r['wall_s']} s", flush=True)
+        results.append(r)
+    if a.json:
+        cpu = next((line.split(":", 1)[1].strip() for line in
+                    Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "unknown")
+        Path(a.json).write_text(json.dumps({"cpu": cpu, "steps": a.steps, "results": results},
+                                           indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
