@@ -39,11 +39,17 @@ def users_folder(path):
     return path
 
 
+def refused(out):
+    """A training run into `out`, which must exit 2: its output."""
+    r = entry(*ARGS, f"--out_dir={out}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    return r
+
+
 def test_a_users_folder_is_refused_before_any_work_naming_its_files(tmp_path):
     proj = users_folder(tmp_path / "projA")
     before = snapshot(tmp_path)
-    r = entry(*ARGS, f"--out_dir={proj}")
-    assert r.returncode == 2, r.stderr[-2000:]
+    r = refused(proj)
     assert r.stderr.strip().splitlines() == [
         f"error: out_dir {proj}: holds files no mini-grpo run wrote (config.yaml, eval.json, "
         f"metrics.jsonl, ...); not written into (choose a new or empty directory; if an "
@@ -93,9 +99,7 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_lives(t
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        r = entry(*ARGS, f"--out_dir={out}")
-        assert r.returncode == 2, r.stderr[-2000:]
-        assert r.stderr.strip().splitlines() == [
+        assert refused(out).stderr.strip().splitlines() == [
             f"error: out_dir {out}: another run is writing into it (mini-grpo run, pid "
             f"{holder.pid} on {os.uname().nodename}); wait for it to end, or choose another "
             f"out_dir"]
