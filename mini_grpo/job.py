@@ -49,9 +49,12 @@ def train(cfg) -> dict:
     """The whole job; returns {"before", "after", "baselines"} evaluations (rank 0)."""
     stages = STAGES[cfg.mode]
     with setup(cfg) as run:
-        resume = find_resume(run) if "grpo" in stages else None
+        resume, changed = find_resume(run) if "grpo" in stages else (None, [])
         if run.logger:  # a killed run's rows past where this one continues are logged again
             run.logger.cut(logged_until(cfg, stages, resume))
+            if changed:
+                run.logger.event(resume["step"], "resumed with changed options: "
+                                 + ", ".join(changed))
         if run.dist.is_main:
             cfg.save(Path(cfg.out_dir) / "config.yaml")
         amp = True  # autocast trusted; a stage whose guard cuts it hands fp32 on (state.py)
@@ -133,28 +136,28 @@ def logged_until(cfg, stages: tuple, resume: dict | None) -> int | None:
     return reused[-1][1].get("logged") if reused else 0
 
 
-def find_resume(run: Run) -> dict | None:
+def find_resume(run: Run) -> tuple[dict | None, list[str]]:
     """The GRPO checkpoint to continue from (resume: auto | never | PATH), checked against
-    this run's config; stale temporary files of killed writes are removed first."""
+    this run's config, and the options that changed since it (check_resume); stale
+    temporary files of killed writes are removed first."""
     cfg = run.cfg
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
     if run.dist.is_main:
         clean_stale_temps(ckpt_dir)
     if cfg.resume == "never":
-        return None
+        return None, []
     if cfg.resume == "auto":
         path, state = latest_checkpoint(ckpt_dir)
         if state is None:
-            return None
+            return None, []
     else:
         path, state = cfg.resume, load_checkpoint(cfg.resume)
-    check_resume(run, state, str(path))
-    return state
+    return state, check_resume(run, state, str(path))
 
 
-def check_resume(run: Run, state: dict, path: str) -> None:
-    """Refuses a checkpoint this run cannot continue (exit 2 naming the keys); logs the
-    options that changed and may (lr, max_steps, ...)."""
+def check_resume(run: Run, state: dict, path: str) -> list[str]:
+    """Refuses a checkpoint this run cannot continue (exit 2 naming the keys); returns the
+    options that changed and may ("lr 3e-05 -> 0.001", max_steps, ...)."""
     cfg, saved = run.cfg, state.get("config")
     if state.get("kind") != "grpo" or not ("optimizer" in state or state.get("sharded")) \
             or not isinstance(saved, dict):
@@ -179,10 +182,8 @@ def check_resume(run: Run, state: dict, path: str) -> None:
     if state["step"] > cfg.max_steps:
         raise ConfigError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint "
                           f"to resume from ({state['step']}, {path})")
-    changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items()
-               if k not in ("resume", "out_dir") and saved.get(k) != v]
-    if changed and run.logger:
-        run.logger.event(state["step"], "resumed with changed options: " + ", ".join(changed))
+    return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items()
+            if k not in ("resume", "out_dir") and saved.get(k) != v]
 
 
 def before_grpo(run: Run, resume: dict | None, amp: bool, result: dict) -> dict:
