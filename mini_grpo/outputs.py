@@ -38,15 +38,19 @@ class OutputWriteError(RuntimeError):
     """A file or directory could not be written (disk full, I/O error); nothing was replaced."""
 
 
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
 def write_reason(e: BaseException) -> str:
     """One line for a failed write: "disk full" wherever ENOSPC is in the chain (torch.save
-    hides it in the context of a RuntimeError, safetensors in the text of its own error)."""
+    hides it in the context of a RuntimeError, safetensors in the text of its own error, and
+    numpy's tofile says only "6144 requested and 3520 written": the disk filled under it)."""
     seen, cause = set(), e
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
             return "disk full"
-        if "No space left on device" in str(cause):
+        if "No space left on device" in str(cause) or _SHORT_WRITE.fullmatch(str(cause)):
             return "disk full"
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror

@@ -3,15 +3,13 @@
     model, tok = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")     # dequantized, fp32
     write_gguf(model, tok, "out.gguf", "q8_0")                      # llama.cpp / ollama run it
 
-In: the container is read by our own bounded parser (`read_gguf`): every count, length and
-offset is checked against limits and the file's size before anything is allocated, so a
-hostile file is one line (CheckpointError, exit 2), never a multi-gigabyte allocation (the
-`gguf` package's reader builds a Python object per array element, unbounded). The tensors'
-bytes are dequantized by the `gguf` package (llama.cpp's own Python code: F32, F16, BF16,
-Q8_0, Q4_0/1, Q5_0/1, the K-quants). The metadata becomes a Hugging Face config.json (then
-checked as one, hf.py), the tensor names ours (`_NAMES`), and llama.cpp's q/k row permutation
-is undone for the `llama` architecture (its converter applies it there alone). The tokenizer
-(byte-level BPE: `tokenizer.ggml.model` gpt2) is rebuilt from the metadata (gguf_vocab.py).
+In: our own bounded parser (`read_gguf`) checks every count, length and offset against limits,
+one memory budget and the file's size before allocating, and refuses overlapping tensors: a
+hostile file is one line (CheckpointError, exit 2), never gigabytes (the `gguf` package's
+reader builds an object per array element). The `gguf` package (llama.cpp's own Python)
+dequantizes the tensors; the metadata becomes a config.json (checked as one, hf.py), the
+tensor names ours (`_NAMES`), llama.cpp's q/k row permutation is undone for `llama` (its
+converter applies it there alone), and the byte-level BPE tokenizer is rebuilt (gguf_vocab.py).
 
 Out: `gguf.GGUFWriter`, the same tables the other way, q/k permuted again, the weights in
 f32, f16, bf16, q8_0 or q5/q4 (`gguf.quants`, llama.cpp's reference quantizers; 1-D tensors
@@ -21,8 +19,8 @@ stay f32, as llama.cpp's converter keeps them).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +38,8 @@ MAX_TENSORS = 1 << 16  # a 70B model has ~700
 MAX_KV = 1 << 12  # metadata keys: a few dozen in practice
 MAX_ARRAY = 1 << 22  # the largest vocabularies (token lists, merges) are ~260k
 MAX_STRING = 4 << 20  # a chat template is a few kB; tokens and keys far less
-# what the keys, strings, arrays and tensor names may take once read, all together, charged
-# before each is allocated: a string 64 bytes and its text (a str and its list slot), an
-# array's number 40 (an int or float and its slot), however few bytes it spends in the file
-# (one for u8). The largest vocabularies (~260k tokens, merges and types) take ~40 MB.
+# the memory all keys, strings and arrays take once read, charged before each is allocated: a
+# string 64 bytes + its text, an array's number 40 (one byte in the file for u8); ~40 MB at most
 MAX_HEADER_MEMORY = 64 << 20
 MAX_DIMS = 4
 ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture -> config.json's model_type
@@ -180,14 +176,11 @@ def read_gguf(path: str | Path) -> GGUFFile:
             block, size = GGML_QUANT_SIZES[kind]
         except (ValueError, KeyError):
             c.fail(f"tensor {name[:80]}: unknown type {qtype}")
-        count = 1
-        for d in dims:
-            count *= d
         if name in tensors:
             c.fail(f"tensor {name[:80]} twice")
         if any(d < 1 for d in dims) or dims[0] % block:
             c.fail(f"tensor {name[:80]}: shape {dims} does not fit type {kind.name}")
-        nbytes = count // block * size
+        nbytes = math.prod(dims) // block * size
         if offset % align or start + offset + nbytes > len(buf):
             c.fail(f"tensor {name[:80]}: its {nbytes} bytes at offset {offset} are not in "
                    f"the file")
@@ -205,10 +198,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
 def _meta(f: GGUFFile, key: str, kind: type, default=None, lo=1, hi=1 << 24):
     """A metadata value of `kind` within [lo, hi]; CheckpointError naming the key."""
     v = f.meta.get(key, default)
-    ok = isinstance(v, kind) and not isinstance(v, bool) if kind in (int, float) else \
-        isinstance(v, kind)
-    if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v, ok = float(v), True
+    if kind is float and type(v) is int:
+        v = float(v)
+    ok = isinstance(v, kind) and not isinstance(v, bool)
     if not ok or (kind in (int, float) and not lo <= v <= hi):
         want = f"a number in [{lo}, {hi}]" if kind in (int, float) else kind.__name__
         raise CheckpointError(f"{f.path}: metadata {key} must be {want}, got {v!r:.80}")
@@ -291,12 +283,9 @@ def _theirs(name: str) -> str:
 def _permute(w: torch.Tensor, heads: int, undo: bool) -> torch.Tensor:
     """llama.cpp's q/k row order: within each head, the rotary halves interleaved (its
     converter's `permute`); `undo` restores the Hugging Face order."""
-    shape = w.shape
-    if undo:
-        return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2) \
-            .reshape(shape)
-    return w.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).transpose(1, 2) \
-        .reshape(shape)
+    half = (w.shape[0] // heads // 2, 2)
+    return w.reshape(heads, *(half if undo else half[::-1]), *w.shape[1:]).transpose(1, 2) \
+        .reshape(w.shape)
 
 
 def _dequantize(buf, info: TensorInfo) -> torch.Tensor:
@@ -439,10 +428,8 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         kind = Q.F32 if a.ndim == 1 else want
         if a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:  # rows of whole blocks only
             kind = Q.F16
-        if kind == Q.F16:
-            w.add_tensor(_theirs(name), a.astype(np.float16))
-        elif kind == Q.F32:
-            w.add_tensor(_theirs(name), a)
+        if kind in (Q.F16, Q.F32):
+            w.add_tensor(_theirs(name), a.astype(np.float16) if kind == Q.F16 else a)
         else:
             w.add_tensor(_theirs(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
     try:
@@ -455,11 +442,7 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
     except OSError as e:  # disk full: no half-written file, the old one untouched
         with contextlib.suppress(OSError):  # its buffer unflushed: closed now, not at exit
             w.close()
-        # numpy's tofile reports a short write without its errno: "6144 requested and 3520
-        # written" is the disk filling up under it
-        short = re.fullmatch(r"\d+ requested and \d+ written", str(e))
-        raise OutputWriteError(f"cannot write {path}: "
-                               f"{'disk full' if short else write_reason(e)}") from e
+        raise OutputWriteError(f"cannot write {path}: {write_reason(e)}") from e
     finally:
         tmp.unlink(missing_ok=True)
     return path
