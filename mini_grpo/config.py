@@ -74,8 +74,7 @@ class GRPOConfig:
     reward_executor: Literal["serial", "thread", "process"] = opt("process", "run",
                                                                   env="REWARD_EXECUTOR")
     num_reward_workers: int = opt(2, "run", "1..1024", env="NUM_WORKERS")
-    # reward given to rows whose plugin failed
-    reward_on_error: float = opt(0.0, "grpo", "[-1e9, 1e9]")
+    reward_on_error: float = opt(0.0, "grpo", "[-1e9, 1e9]")  # to rows whose plugin failed
     # seconds per plugin call before it counts as failed
     reward_timeout: float = opt(30.0, "grpo", "(0, 86400]")
     # stop the run when more rows of one plugin fail
@@ -129,8 +128,7 @@ class GRPOConfig:
     # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
     vllm_mode: Literal["colocate", "server"] = opt("colocate", "run")
     vllm_server_url: str = opt("http://127.0.0.1:8000", "run")
-    # seconds for one request or weight push
-    vllm_server_timeout: float = opt(600.0, "run", "(0, 86400]")
+    vllm_server_timeout: float = opt(600.0, "run", "(0, 86400]")  # one request or weight push
     # auto: bf16 on GPUs
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
     # on a GPU: its share for the engine
@@ -154,8 +152,7 @@ class GRPOConfig:
     # rows per forward/backward, in whole groups (at least one)
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
     num_iterations: int = opt(1, "grpo", "1..1000")  # policy passes per rollout
-    # 1e-4 drove KL to ~0.2 and left the greedy reward flat
-    lr: float = opt(3e-5, "grpo", "[0, 1e6]")
+    lr: float = opt(3e-5, "grpo", "[0, 1e6]")  # 1e-4 drove KL to ~0.2, greedy reward flat
     weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")
     warmup_steps: int = opt(10, "sft grpo", "0..10000000")
     grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")
@@ -181,8 +178,7 @@ class GRPOConfig:
     # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
     # the 2-core CPU (docs/guide.md's RFT table); GPUs want far larger passes
     rft_prompts_per_batch: int = opt(8, "run", "> 0", at_most=MAX_GENERATED)
-    # keep a completion only at or above this reward
-    rft_min_reward: float = opt(0.9, "rft_data", "[-1e9, 1e9]")
+    rft_min_reward: float = opt(0.9, "rft_data", "[-1e9, 1e9]")  # keep completions at or above
     # per prompt: the best one, or every distinct one
     rft_keep: Literal["best", "all"] = opt("best", "rft_data")
     # distinct training prompts to generate for (0 = the split)
@@ -251,10 +247,6 @@ class GRPOConfig:
             raise ConfigError(f"prompts_per_step: {self.prompts_per_step:,} prompts x group_size "
                               f"{self.group_size:,} = {rows:,} rows per step, more than "
                               f"{MAX_GENERATED:,}")
-        cores = os.cpu_count() or 1
-        if self.num_threads > 4 * cores:  # more threads than cores is ruinous already
-            raise ConfigError(f"num_threads: {self.num_threads} threads on {cores} cores; at "
-                              f"most 4 x the cores ({4 * cores}), or 0 for cores / local ranks")
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")

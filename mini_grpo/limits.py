@@ -1,9 +1,11 @@
 """What a run's sizes must fit, refused with one line before any work starts: the processes
-(batches split over ranks, fsdp's shard groups), the prompts (block_size) and one step's rows
-(this machine's memory). run.setup calls them in that order, as soon as each is known."""
+and threads (batches split over ranks, fsdp's shard groups, threads against cores), the
+prompts (block_size) and one step's rows (this machine's memory). run.setup calls them in that
+order, as soon as each is known."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from . import distributed as D
@@ -16,6 +18,10 @@ if TYPE_CHECKING:
 
 def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
     """Combinations that would only fail deep inside the run, refused at the start."""
+    cores = os.cpu_count() or 1
+    if cfg.num_threads > 4 * cores:  # more threads than cores is ruinous already
+        raise ConfigError(f"num_threads: {cfg.num_threads} threads on {cores} cores; at most "
+                          f"4 x the cores ({4 * cores}), or 0 for cores / local ranks")
     if cfg.fsdp_shard_size and dist.world_size % cfg.fsdp_shard_size:
         raise ConfigError(f"fsdp_shard_size: {cfg.fsdp_shard_size} does not divide the "
                           f"{dist.world_size} processes")

@@ -99,7 +99,9 @@ def test_bare_name_is_looked_up_in_configs():
     # every number has a finite range: past it, one line naming the option and the range
     ("", ["--reward_timeout=1e308"], {}, ["reward_timeout: must be in (0, 86400], got 1e+308"]),
     ("", ["--num_threads=1000000"], {}, ["num_threads: must be in 0..4096, got 1000000"]),
-    ("", ["--num_threads=4000"], {}, ["num_threads: 4000 threads on", "at most 4 x the cores"]),
+    # refused at setup (limits.check_world: this machine's cores), before any work
+    ("seed: 1\n", ["--num_threads=4000"], {},
+     ["num_threads: 4000 threads on", "at most 4 x the cores"]),
     ("", ["--num_iterations=1000000000000"], {}, ["num_iterations: must be in 1..1000"]),
     ("", ["--lr=1e308"], {}, ["lr: must be in [0, 1e6], got 1e+308"]),
     ("", ["--dist_timeout=1e308"], {}, ["dist_timeout: must be in (0, 604800]"]),
