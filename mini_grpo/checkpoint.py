@@ -213,20 +213,22 @@ def prune(directory: Path, keep: int, written: Path) -> None:
     that load (0: keeps all), up to `written`'s step. Only loadable ones count and go: one
     that does not load is left as it is (the run overwrites it when it gets to that step),
     and so is any of a later step (a resume skipped it: this run's steps have not got there)."""
-    def remove(old: Path) -> None:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-
-    remove(written.with_suffix(".pt" if written.suffix == ".dcp" else ".dcp"))
+    _remove(written.with_suffix(".pt" if written.suffix == ".dcp" else ".dcp"))
     if keep <= 0:
         return
     upto = int(_NAME.match(written.name).group(1))
     good = [p for p in list_checkpoints(directory)
             if int(_NAME.match(p.name).group(1)) <= upto and (p == written or loadable(p))]
     for old in good[:-keep]:
-        remove(old)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint: one file, or a directory of shards."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def discard_checkpoints(directory: Path) -> None:
@@ -234,7 +236,7 @@ def discard_checkpoints(directory: Path) -> None:
     loads): a run that starts afresh must not later resume from the run before it."""
     for p in list_checkpoints(directory):
         if loadable(p):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            _remove(p)
 
 
 def loadable(path: Path) -> bool:
@@ -364,11 +366,12 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
     return {**meta, "sharded": str(path)}
 
 
-def latest_checkpoint(directory: str | Path, map_location="cpu"):
-    """(path, state) of the newest checkpoint that loads, or (None, None); warns on bad ones."""
+def latest_checkpoint(directory: str | Path, map_location="cpu", mmap: bool = False):
+    """(path, state) of the newest checkpoint that loads, or (None, None); warns on bad ones.
+    `mmap`: its tensors mapped, read only where used."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            return path, load_checkpoint(path, map_location)
+            return path, load_checkpoint(path, map_location, mmap)
         except CheckpointError as e:
             warnings.warn(f"skipping corrupt checkpoint: {e}", stacklevel=2)
     return None, None

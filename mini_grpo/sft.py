@@ -55,8 +55,9 @@ def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
 
 def finished_stage(cfg, directory: Path, steps: int, tag: str, say=None):
     """(path, state) of the finished stage in `directory` if it can be reused, else None
-    (`say`: told why not)."""
-    path, state = latest_checkpoint(directory)
+    (`say`: told why not). Its tensors are mapped, not read: the job asks once for what it
+    logged (job.logged_until), the stage again for its weights."""
+    path, state = latest_checkpoint(directory, mmap=True)
     if state is None or state.get("step") != steps:
         return None
     changed = stage_changes(state.get("config") or {}, cfg, tag)
