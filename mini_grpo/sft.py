@@ -13,11 +13,13 @@ with it, so a reused stage hands on the same).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import fsdp
 from .checkpoint import CheckpointError, latest_checkpoint, load_weights
 from .chunked import token_logprobs
 from .config import ConfigError, GRPOConfig, load_config
@@ -25,6 +27,7 @@ from .data import batch_indices, sft_batch, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .options import keys_with
+from .rollout import plan_micro_batches
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -108,10 +111,8 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
                  for i in shard(idx, dist.rank, dist.world_size)]
         x, y = sft_batch(run.tok, pairs, run.device)
         lr = state.begin(step)
-        with state.autocast():
-            loss = sft_loss(run.net, x, y)
-        state.backward(loss)
-        state.step(loss.detach())  # fp16: the scaler skips steps whose gradients overflowed
+        loss = sft_pass(run.net, x, y, cfg.micro_batch_tokens, state)
+        state.step(loss)  # fp16: the scaler skips steps whose gradients overflowed
         tokens += x.numel()
         if dist.is_main and (step % cfg.log_every == 0 or step == steps):
             dt = time.perf_counter() - t0
@@ -132,10 +133,35 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     return state.guard.amp
 
 
-def sft_loss(net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
     """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
-    shares up to one row."""
+    shares up to one row. `num_tokens`: the divisor, when (x, y) is a micro-batch of it."""
     keep = y >= 0
     # the LM head in chunks: a big vocabulary never holds (B, T, V) logits
     logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0))
-    return -(logp * keep).sum() / keep.sum().clamp(min=1)
+    total = keep.sum() if num_tokens is None else num_tokens
+    return -(logp * keep).sum() / total.clamp(min=1)
+
+
+def sft_pass(net, x: torch.Tensor, y: torch.Tensor, budget: int, state: TrainState):
+    """The gradient of sft_loss over (x, y) (right-padded rows), accumulated over
+    micro-batches of at most `budget` token positions (0: one pass), each cut to its longest
+    row; DDP's all-reduce on the last only, fsdp's ranks padded to as many passes (with no
+    loss). Returns the detached loss."""
+    keep = y >= 0
+    lengths = (y.size(1) - keep.int().flip(1).argmax(1)).tolist()  # to each row's last target
+    plan = plan_micro_batches(lengths, len(lengths), lambda rows: len(rows) * max(
+        lengths[i] for i in rows), budget) if budget else [list(range(x.size(0)))]
+    passes = plan + plan[-1:] * fsdp.pad_passes(net, len(plan), x.device)
+    num_tokens, loss = keep.sum(), torch.zeros((), device=x.device)
+    for j, rows in enumerate(passes):
+        n = max(lengths[i] for i in rows)
+        sync = j == len(passes) - 1 or not hasattr(net, "no_sync")
+        with nullcontext() if sync else net.no_sync():
+            with state.autocast():
+                part = sft_loss(net, x[rows, :n], y[rows, :n], num_tokens)
+            if j >= len(plan):
+                part = part * 0.0
+            state.backward(part)
+        loss += part.detach()
+    return loss

@@ -209,7 +209,7 @@ class Trajectory:
     def of(cls, r: Rollout, batch: Batch, cfg, model=None) -> Trajectory:
         """The rollout cut into micro-batches of `cfg`; `model`: the policy, for fsdp's pad."""
         batches = micro_batches(r, batch.cmask, cfg.micro_batch_size, cfg.group_size,
-                                batch.adv)
+                                batch.adv, cfg.micro_batch_tokens)
         pad = 0 if model is None else fsdp.pad_passes(model, len(batches), batch.adv.device)
         return cls(batches, batch.num_seqs, batch.num_tokens, pad)
 

@@ -1,0 +1,104 @@
+"""micro_batch_tokens: a bound on the token positions of one forward/backward, for GRPO's
+passes and SFT's steps, which bounds activation memory whatever the completions' lengths and
+leaves the gradient as it was (the same sums, in more pieces)."""
+
+from contextlib import nullcontext
+
+import torch
+from ddp_grad_worker import G, make_batch
+
+from mini_grpo.config import load_config
+from mini_grpo.models import GPT, GPTConfig
+from mini_grpo.rollout import Rollout, plan_micro_batches, row_batches
+from mini_grpo.sft import sft_loss, sft_pass
+from mini_grpo.trainer import Trajectory, advantages, policy_pass
+
+
+def rollout(lengths, plen=3):
+    B = len(lengths)
+    cmask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    return Rollout(torch.zeros(B, plen, dtype=torch.long), torch.ones(B, plen, dtype=torch.bool),
+                   torch.zeros_like(cmask, dtype=torch.long), cmask, torch.zeros(cmask.shape),
+                   torch.ones(B, dtype=torch.bool)), cmask
+
+
+def test_a_budget_cuts_micro_batches_before_they_exceed_it():
+    lengths = [5, 1, 4, 2, 3, 9]
+    cost = lambda rows: len(rows) * max(lengths[i] for i in rows)  # noqa: E731
+    assert plan_micro_batches(lengths, 6) == [[1, 3, 4, 2, 0, 5]]
+    # sorted 1 2 3 4 5 9: [1 2 3] costs 9, adding 4 would cost 16; 9 alone exceeds and stays
+    assert plan_micro_batches(lengths, 6, cost, 10) == [[1, 3, 4], [2, 0], [5]]
+    assert plan_micro_batches(lengths, 2, cost, 100) == [[1, 3], [4, 2], [0, 5]]
+    assert plan_micro_batches([], 4, cost, 10) == []
+
+
+def test_row_batches_keep_the_budget_and_whole_groups_where_they_fit():
+    # 4 groups of 2 (prompts of 3 tokens), alike within a group
+    r, cmask = rollout([2, 2, 3, 3, 5, 5, 9, 9])
+    assert [b.tolist() for b in row_batches(r, cmask, 8, 2)] == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    # each group once pushes 3 + 2 x (n - 1) positions: 5, 7, 11, 19
+    plan = [b.tolist() for b in row_batches(r, cmask, 8, 2, budget=19)]
+    assert plan == [[0, 1, 2, 3], [4, 5], [6, 7]]  # 5 + 7 = 12 <= 19, + 11 would be 23
+    # a budget no whole group of the longest fits: its rows are split, each alone (3 + 8)
+    plan = [b.tolist() for b in row_batches(r, cmask, 8, 2, budget=12)]
+    assert [6] in plan and [7] in plan
+    n, p = cmask.sum(1), r.prompt_mask.sum(1)
+    for rows in plan:
+        pushed = len({i // 2 for i in rows}) * max(p[rows]) + len(rows) * (max(n[rows]) - 1)
+        assert pushed <= 12
+    assert sorted(i for b in plan for i in b) == list(range(8))
+
+
+def grads(micro_batch_tokens: int):
+    r, rewards, _ = make_batch(seed=3)
+    cfg = load_config(None, {"group_size": G, "beta": 0.0, "use_amp": "false",
+                             "micro_batch_size": 64,
+                             "micro_batch_tokens": micro_batch_tokens}, env={})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    traj = Trajectory.of(r, advantages(rewards, r.completion_mask, cfg, r.finished), cfg)
+    policy_pass(model, traj, cfg)
+    return len(traj.batches), [p.grad for p in model.parameters()]
+
+
+def test_a_budget_leaves_the_policy_gradient_as_it_was():
+    one, whole = grads(0)
+    many, cut = grads(24)
+    assert one == 1 and many > 3
+    for a, b in zip(whole, cut):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class PlainState:
+    """What sft_pass asks of a TrainState: its autocast (off) and its backward (plain)."""
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def test_sft_micro_batches_leave_the_loss_and_gradient_as_they_were():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 11, 6, 20, 8, 2]
+    x = torch.zeros(6, 20, dtype=torch.long)
+    y = torch.full((6, 20), -1)
+    for i, n in enumerate(lengths):  # right-padded rows; targets on their second half
+        x[i, :n] = torch.randint(4, 24, (n,), generator=g)
+        y[i, n // 2:n] = torch.randint(4, 24, (n - n // 2,), generator=g)
+    with torch.no_grad():
+        expected = sft_loss(model, x, y)
+    whole = sft_pass(model, x, y, 0, PlainState())
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    calls = []
+    forward = model.forward
+    model.forward = lambda idx, **kw: calls.append(idx.shape) or forward(idx, **kw)
+    cut = sft_pass(model, x, y, 24, PlainState())
+    assert len(calls) > 2 and all(b * t <= 24 or b == 1 for b, t in calls)
+    torch.testing.assert_close(whole, expected)
+    torch.testing.assert_close(cut, expected, rtol=1e-5, atol=1e-6)
+    for a, p in zip(ref, model.parameters()):
+        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6)
