@@ -5,9 +5,10 @@ of its own run one after the other (never beside another heavy job):
         --variant keep:. --variant off:.:--cpu_malloc_cache=false
 
 A variant is NAME:CHECKOUT[:EXTRA_ARGS,...]: distributed_train.py of that checkout (its own
-mini_grpo) on `--config smollm2_numeric --mode=grpo` (no RFT stage, 8 held-out questions),
-checkpoints off. Reports per variant: mem/rss_gb after each step (metrics.jsonl), the
-process's peak RSS (wait4), the median step time without the first step, and the wall time.
+mini_grpo and configs/smollm2_numeric.yaml) with `--mode=grpo` (no RFT stage, 8 held-out
+questions), checkpoints off. Reports per variant: mem/rss_gb after each step (metrics.jsonl),
+the process's peak RSS (wait4), the median step, generation and policy-pass times without the
+first step, and the wall time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path) -> dict:
     out = work / name
     args = [sys.executable, str(checkout / "distributed_train.py"), "--config",
-            str(ROOT / "configs" / "smollm2_numeric.yaml"), "--mode=grpo", "--num_eval=8",
+            str(checkout / "configs" / "smollm2_numeric.yaml"), "--mode=grpo", "--num_eval=8",
             f"--max_steps={steps}", "--save_every=1000000", "--report_to=[]",
             f"--init_from={ROOT / 'models' / 'smollm2-135m-instruct'}", f"--out_dir={out}",
             *extra]
@@ -42,10 +43,14 @@ def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path) -> 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r for r in rows if "reward/mean" in r]
     times = [r["time/step"] for r in steps_]
+
+    def median(key):  # without the first step
+        return round(statistics.median(r[key] for r in steps_[1:] or steps_), 2)
     return {"variant": name, "args": extra, "rss_gb_per_step": [round(r["mem/rss_gb"], 3)
                                                               for r in steps_],
             "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3),
-            "median_step_s": round(statistics.median(times[1:] or times), 2),
+            "median_step_s": median("time/step"),
+            "median_generate_s": median("time/generate"), "median_policy_s": median("time/policy"),
             "step_s": [round(t, 2) for t in times], "wall_s": round(wall, 1)}
 
 
@@ -62,7 +67,8 @@ def main() -> int:
         extra = rest[0].split(",") if rest and rest[0] else []
         r = run(name, Path(checkout).resolve(), extra, a.steps, work)
         print(f"{name}: peak {r['peak_rss_gb']} GB, rss per step {r['rss_gb_per_step']}, "
-              f"median step {r['median_step_s']} s, wall {r['wall_s']} s", flush=True)
+              f"median step {r['median_step_s']} s (generation {r['median_generate_s']}, "
+              f"policy {r['median_policy_s']}), wall {r['wall_s']} s", flush=True)
         results.append(r)
     if a.json:
         cpu = next((line.split(":", 1)[1].strip() for line in

@@ -87,6 +87,8 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
 
     A row ends at the first of its tokens in `eos_id` (one id, or every id that ends a
     completion: a tokenizer's `eos_ids`); sampling stops as soon as every row has ended.
+    Rows that have ended stop costing compute: once a quarter of the batch has, the others
+    go on without them (their cache rows copied out, so the copies cost little).
     `use_cache=False` recomputes the whole
     sequence at each step (the baseline the KV cache is measured against).
     """
@@ -109,8 +111,9 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     all_pos[:, :P] = positions(pmask)
     all_pos[:, P:] = pmask.sum(1, keepdim=True) + torch.arange(N, device=device)
     seq = torch.cat([ids, out], dim=1)  # (B, P + N) for the no-cache path
-    done = torch.zeros(B, dtype=torch.bool, device=device)
     eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
+    live = torch.arange(B, device=device)  # the rows in the batch (those that ended drop out)
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) which of them have ended
 
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
@@ -126,30 +129,39 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
         bad = torch.zeros((), dtype=torch.bool, device=device)
         for t in range(N):
             last = logits[:, -1].float()
-            finite = torch.isfinite(last).all(-1, keepdim=True)  # (B, 1)
+            finite = torch.isfinite(last).all(-1, keepdim=True)  # (b, 1)
             bad |= ~finite.all()
             last = torch.where(finite, last, 0.0)
             tok, lp = _pick(last, temperature, top_k, top_p, greedy, generator)
             tok = tok.masked_fill(done, pad_id)
-            out[:, t] = tok
-            out_mask[:, t] = ~done
-            out_lp[:, t] = lp.masked_fill(done, 0.0)
-            key_valid[:, P + t] = ~done
+            out[live, t] = tok
+            out_mask[live, t] = ~done
+            out_lp[live, t] = lp.masked_fill(done, 0.0)
+            key_valid[live, P + t] = ~done
             done |= torch.isin(tok, eos)
             steps = t + 1
-            if t == N - 1 or bool(done.all() | bad):  # the one host sync per token: EOS check
+            # the one host sync per token: how many rows have ended (all, or bad: stop)
+            ended = int(torch.where(bad, len(live), done.sum()))
+            if t == N - 1 or ended == len(live):
                 break
+            if 4 * ended >= len(live):  # a quarter has ended: the others go on without them
+                keep = ~done
+                live, tok, done = live[keep], tok[keep], done[keep]
+                if use_cache:
+                    cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]
             if use_cache:
-                mask = attention_mask(key_valid[:, :P + t + 1], 1)
-                logits = model(tok[:, None], all_pos[:, P + t:P + t + 1], mask, cache)
+                mask = attention_mask(key_valid[live, :P + t + 1], 1)
+                logits = model(tok[:, None], all_pos[live, P + t:P + t + 1], mask, cache)
             else:
                 S = P + t + 1
-                seq[:, P + t] = tok
-                logits = model(seq[:, :S], all_pos[:, :S], attention_mask(key_valid[:, :S], S),
-                               logits_from=S - 1)
+                seq[live, P + t] = tok
+                logits = model(seq[live, :S], all_pos[live, :S],
+                               attention_mask(key_valid[live, :S], S), logits_from=S - 1)
+    finished = torch.ones(B, dtype=torch.bool, device=device)  # rows that dropped out ended
+    finished[live] = done
     model.train(was_training)
     return Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps],
-                   done.clone(), nonfinite=bad)
+                   finished, nonfinite=bad)
 
 
 @contextmanager

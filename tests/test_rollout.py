@@ -242,3 +242,29 @@ def test_frozen_weights_are_cast_once_per_generation_and_stay_frozen():
             assert {n for n, p in m.named_parameters() if not p.requires_grad} == frozen
     assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
     assert torch.equal(outs[0].logprobs, outs[1].logprobs)
+
+
+def test_rows_that_ended_drop_out_of_the_batch_and_the_rest_sample_as_alone():
+    """Once a quarter of the batch has ended, the decode steps run on the other rows alone
+    (fewer rows per forward), and every row's tokens and log-probs are those it gets alone."""
+    m = tiny_gpt()
+    boost_eos(m, 0.3)  # 8 rows end at once, 2 after 5 tokens, 2 run to the cap
+    prompts = [[1, 5 + i % 9, 6 + i % 5] for i in range(12)]
+    rows = []
+    forward = m.forward
+    m.forward = lambda idx, *a, **kw: rows.append(idx.size(0)) or forward(idx, *a, **kw)
+    for use_cache in (True, False):
+        rows.clear()
+        batch = generate(m, prompts, 24, EOS, PAD, greedy=True, use_cache=use_cache)
+        lengths = batch.completion_mask.sum(1)
+        assert lengths.min() < lengths.max()  # rows end at different steps
+        assert rows[0] == len(prompts) or use_cache  # cache: the prefill computes each prompt once
+        assert min(rows[1:]) < len(prompts)  # decode steps without the rows that ended
+        assert rows[1:] == sorted(rows[1:], reverse=True)
+        for i, p in enumerate(prompts):
+            alone = generate(m, [p], 24, EOS, PAD, greedy=True, use_cache=use_cache)
+            n = alone.completion_ids.size(1)
+            assert int(lengths[i]) == n and batch.finished[i] == alone.finished[0]
+            assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0].tolist()
+            torch.testing.assert_close(batch.logprobs[i, :n], alone.logprobs[0], rtol=0,
+                                       atol=1e-5)
