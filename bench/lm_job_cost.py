@@ -1,0 +1,85 @@
+"""What the LM job costs on this machine: wall time, peak resident memory, and where the time
+goes, from one run of configs/smollm2_numeric (nothing else heavy beside it):
+
+    .venv/bin/python bench/lm_job_cost.py --out_dir runs/smollm2_numeric_cost \\
+        --json bench/lm_job_cost_<cpu>.json [-- extra options for distributed_train.py]
+
+The job runs as a child process (its output passes through); the peak is the child's maximum
+RSS (wait4), and each phase's end is the moment its closing line appeared: the base model's
+evaluation, RFT's generation, its SFT steps, the GRPO steps (with the evaluation after RFT
+before them), the final evaluation. GRPO's
+per-step figures (median time, generation, policy pass; RSS after each step) come from
+metrics.jsonl, the accuracies from eval.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the line that closes each phase, in the order they run
+PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
+          ("rft_generation", re.compile(r"^\[rft\] \d+/\d+ prompts with an accepted")),
+          ("rft_sft", re.compile(r"^\[rft\] done in")),
+          ("grpo", re.compile(r"^step (\d+)/\1 ")),
+          ("eval_after", re.compile(r"^\[eval\] step [1-9]\d* sampled"))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out_dir", required=True, help="the job's out_dir (new or its own)")
+    ap.add_argument("--json", default="", help="write the figures here")
+    ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
+    a = ap.parse_args()
+    args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", "smollm2_numeric",
+            f"--out_dir={a.out_dir}", *a.extra]
+    t0 = time.perf_counter()
+    ends: dict[str, float] = {}
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, bufsize=1)
+    for line in p.stdout:
+        sys.stdout.write(line)
+        for name, pattern in PHASES:
+            if name not in ends and pattern.search(line):
+                ends[name] = round(time.perf_counter() - t0, 1)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the job failed (exit {os.waitstatus_to_exitcode(status)})")
+    out = Path(a.out_dir)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+
+    def median(key):  # GRPO steps, the first left out (its shapes are new to oneDNN)
+        return round(statistics.median(r[key] for r in steps[1:] or steps), 2)
+
+    phases, start = {}, 0.0
+    for name, _ in PHASES:
+        if name in ends:
+            phases[name] = round(ends[name] - start, 1)
+            start = ends[name]
+    ev = json.loads((out / "eval.json").read_text())
+    from mini_grpo.dtype_probe import cpu_name
+    result = {"cpu": cpu_name(), "args": a.extra, "wall_s": round(wall, 1),
+              "wall_min": round(wall / 60, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
+              "phase_s": phases, "grpo_steps": len(steps),
+              "grpo_median_s": {k: median(f"time/{k}")
+                                for k in ("step", "generate", "reward", "policy", "optimizer")},
+              "grpo_rss_gb": [round(r["mem/rss_gb"], 2) for r in steps],
+              "eval": ev}
+    print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
