@@ -63,8 +63,7 @@ class GRPOConfig:
     task_args: dict = opt({}, "sft resume")
     # JSONL of {"prompt", "target"} rows; replaces the task's own data
     data_path: str = opt("", "sft resume")
-    # held-out prompts, never seen in training
-    num_eval: int = opt(512, "sft", "> 0", at_most=MAX_GENERATED)
+    num_eval: int = opt(512, "sft", "> 0", at_most=MAX_GENERATED)  # held out, never trained on
     # [{name: ..., weight: ...}]; None = the task's defaults
     rewards: list | None = opt(None, "rft_data grpo")
 
@@ -151,9 +150,7 @@ class GRPOConfig:
     group_size: int = opt(8, "grpo resume", at_most=MAX_GENERATED)
     # rows per forward/backward, in whole groups (at least one)
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
-    # most token positions per forward/backward (GRPO: each prompt once + completions; SFT:
-    # whole rows; padding counted): bounds activation memory whatever the lengths; 0 = rows only
-    micro_batch_tokens: int = opt(0, "run", "0..1000000000")
+    micro_batch_tokens: int = opt(0, "run", "0..1000000000")  # most token positions a pass; 0: off
     num_iterations: int = opt(1, "grpo", "1..1000")  # policy passes per rollout
     lr: float = opt(3e-5, "grpo", "[0, 1e6]")  # 1e-4 drove KL to ~0.2, greedy reward flat
     weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")

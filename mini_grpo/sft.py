@@ -152,7 +152,7 @@ def sft_pass(net, x: torch.Tensor, y: torch.Tensor, budget: int, state: TrainSta
     lengths = (y.size(1) - keep.int().flip(1).argmax(1)).tolist()  # to each row's last target
     plan = plan_micro_batches(lengths, len(lengths), lambda rows: len(rows) * max(
         lengths[i] for i in rows), budget) if budget else [list(range(x.size(0)))]
-    passes = plan + plan[-1:] * fsdp.pad_passes(net, len(plan), x.device)
+    passes = plan + plan[-1:] * (fsdp.pad_passes(net, len(plan), x.device) if budget else 0)
     num_tokens, loss = keep.sum(), torch.zeros((), device=x.device)
     for j, rows in enumerate(passes):
         n = max(lengths[i] for i in rows)
