@@ -23,12 +23,18 @@ from .config import ConfigError, GRPOConfig
 
 
 def resolve_device(cfg: GRPOConfig, local_rank: int = 0) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+    """The device of the rank with this node-local rank; one GPU per rank (auto, cuda)."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ConfigError(f"device: {cfg.device} asked for, but CUDA is not available here "
                           f"(use device: auto or cpu)")
-    return torch.device(cfg.device)
+    if cfg.device in ("auto", "cuda") and local_rank >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"device: {cfg.device}: local rank {local_rank} has no GPU of its own "
+                          f"(this node has {n}); start at most {n} processes per node "
+                          f"(--nproc_per_node, NPROC), or set device: cpu to run them on gloo")
+    return torch.device(f"cuda:{local_rank}" if cfg.device == "auto" else cfg.device)
 
 
 def _cpu_has_bf16() -> bool:

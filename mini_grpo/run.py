@@ -160,12 +160,14 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     `task=False` skips the task and scorer (sampling), a TaskData is used as it is (the
     benchmark's ablations build the task once); `train=False`: a command that only samples
     (evaluate, sample, rft-generate), whose precision probe times sampling alone."""
-    dist = D.init(cfg.dist_timeout)
+    # the device first: it picks the process group's backend (device: cpu on a GPU node
+    # meets on gloo), and a rank without a GPU of its own is a one-line error, not CUDA's
+    device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+    dist = D.init(cfg.dist_timeout, use_cuda=device.type == "cuda")
     scorer = claim = None
     try:
         check_world(cfg, dist)
         claim = claim_out_dir(cfg, dist) if log else None
-        device = resolve_device(cfg, dist.local_rank)
         check_engine(cfg, device)
         threads = setup_backends(cfg, dist.local_world_size)
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None

@@ -60,12 +60,19 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def ranks_env(nproc: int) -> dict:
+    """GPUs hidden from a test's `nproc` ranks where the machine has fewer GPUs than ranks
+    (one each, as device: auto asks): they meet on gloo over loopback, as on a CPU."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if 0 < torch.cuda.device_count() < nproc else {}
+
+
 def torchrun(*args, extra_env=None, timeout=300, nproc=2):
     """`torchrun --standalone --nproc_per_node=2 ARGS` on loopback, from the repository root."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=clean_env(**(extra_env or {})), timeout=timeout)
+                          env=clean_env(**ranks_env(nproc), **(extra_env or {})),
+                          timeout=timeout)
 
 
 def entry(*args, env=None, timeout=300, cwd=None):

@@ -60,7 +60,7 @@ def gradient(net, r, rewards, ref_lp, cfg) -> None:
 
 
 def main(out_path: str) -> None:
-    dist = D.init()
+    dist = D.init(use_cuda=False)  # CPU tensors: gloo, whatever the machine has
     torch.set_num_threads(1)
     W = dist.world_size
     mine = slice(dist.rank * PROMPTS * G // W, (dist.rank + 1) * PROMPTS * G // W)

@@ -80,7 +80,7 @@ def sent_from_rank0(trained, family: str, is_main: bool) -> dict:
 
 def main(out_path: str, parallelism: str) -> None:
     """parallelism: ddp, fsdp, or hsdp (fsdp over groups of 2 ranks, replicated across them)."""
-    dist = D.init()
+    dist = D.init(use_cuda=False)  # CPU tensors: gloo, whatever the machine has
     torch.set_num_threads(1)
     W = dist.world_size
     mine = slice(dist.rank * PROMPTS * G // W, (dist.rank + 1) * PROMPTS * G // W)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, clean_env, torchrun
+from conftest import ROOT, clean_env, ranks_env, torchrun
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 
@@ -52,7 +52,7 @@ def test_train_sh_with_amp_and_two_processes(tmp_path):
                         "--num_threads=1"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=clean_env(USE_AMP="true", AMP_DTYPE="bfloat16", NPROC="2", CONFIG="tiny",
-                               OUT_DIR=str(out), PYTHON=sys.executable))
+                               OUT_DIR=str(out), PYTHON=sys.executable, **ranks_env(2)))
     assert r.returncode == 0, r.stderr[-3000:]
     saved = (out / "config.yaml").read_text()
     assert "use_amp: true" in saved and "amp_dtype: bfloat16" in saved
@@ -100,7 +100,7 @@ def test_a_second_process_group_in_one_process_under_torchrun(tmp_path):
         "import torch\n"
         "from mini_grpo import distributed as D\n"
         "for i in range(2):\n"
-        "    info = D.init(timeout_s=30)\n"
+        "    info = D.init(timeout_s=30, use_cuda=False)\n"
         "    net, _ = D.wrap_ddp(torch.nn.Linear(2, 2), torch.device('cpu'))\n"
         "    t = D.all_reduce_sum(torch.ones(1))\n"
         "    assert t.item() == 2, t\n"

@@ -145,7 +145,7 @@ def test_sampling_alone_does_no_backward(monkeypatch):
 def test_setup_of_a_sampling_command_probes_sampling_once(tmp_path, cache, monkeypatch):
     _, calls = cache
     monkeypatch.setattr(precision, "_cpu_has_bf16", lambda: True)
-    cfg = tiny(tmp_path / "run", use_amp=True)
+    cfg = tiny(tmp_path / "run", use_amp=True, device="cpu")  # the probe is a CPU's
     for _ in range(2):
         with setup(cfg, log=False, train=False) as run:
             assert run.precision.dtype is None

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import ROOT, clean_env, entry, metrics, plant_in_shard, torchrun
+from conftest import ROOT, clean_env, entry, metrics, plant_in_shard, ranks_env, torchrun
 from fsdp_worker import build
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -20,7 +20,8 @@ def worker(tmp_path, parallelism: str, nproc: int):
     script = str(ROOT / "tests" / "fsdp_worker.py")
     if nproc == 1:
         r = subprocess.run([sys.executable, script, str(out), parallelism], cwd=ROOT,
-                           capture_output=True, text=True, env=clean_env(), timeout=300)
+                           capture_output=True, text=True, timeout=300,
+                           env=clean_env(**ranks_env(4)))  # the device of the runs it is held to
     else:
         r = torchrun(script, str(out), parallelism, nproc=nproc)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import events, metrics, tiny, tiny_gpt
+from conftest import events, metrics, ranks_env, tiny, tiny_gpt
 from fault_worker import installed
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
@@ -83,7 +83,7 @@ def test_injected_nans_walk_down_the_ladder_in_order(tmp_path):
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("USE_AMP", "OUT_DIR")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **ranks_env(2))
     out = tmp_path / "ddp"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node=2", "tests/fault_worker.py", "--nan_steps=2", "--",

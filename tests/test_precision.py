@@ -9,11 +9,11 @@ import torch
 from conftest import metrics, tiny, tiny_lm_dir
 
 from mini_grpo.checkpoint import latest_checkpoint
-from mini_grpo.config import load_config
+from mini_grpo.config import ConfigError, load_config
 from mini_grpo.job import train
 from mini_grpo.models import build
 from mini_grpo.policy import gpt_spec
-from mini_grpo.precision import compile_with_fallback, resolve_precision
+from mini_grpo.precision import compile_with_fallback, resolve_device, resolve_precision
 
 
 def sft_losses(out_dir, steps=16, **kw):
@@ -147,3 +147,20 @@ def test_auto_precision_follows_the_probe_not_the_device_type(monkeypatch):
                                                "generation_amp": "off"}, env={}), cpu,
                           lambda parts: pytest.fail("probed"))
     assert (p.dtype, p.generation_dtype) == (torch.bfloat16, None)
+
+
+def test_each_rank_gets_a_gpu_of_its_own_or_a_one_line_error(monkeypatch):
+    """torchrun with more processes per node than GPUs: CUDA's "invalid device ordinal" at
+    the first rank past the last GPU (seen on a one-GPU machine) becomes the config error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device(tiny(), 1) == torch.device("cuda:1")
+    for device in ("auto", "cuda"):
+        with pytest.raises(ConfigError, match=rf"device: {device}: local rank 2 has no GPU of "
+                           r"its own \(this node has 2\); start at most 2 processes per node"):
+            resolve_device(tiny(device=device), 2)
+    assert resolve_device(tiny(device="cpu"), 2) == torch.device("cpu")  # gloo, no GPU asked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(tiny(), 3) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device: cuda asked for, but CUDA is not available"):
+        resolve_device(tiny(device="cuda"), 0)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ranks_env
 
 from mini_grpo.config import load_config
 from mini_grpo.job import train
@@ -95,7 +96,7 @@ def test_resume_after_an_interrupted_run_loses_nothing_and_duplicates_nothing(
 
 def test_torchrun_two_processes_cover_the_same_prompts_as_one(sft_checkpoint, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("USE_AMP", "OUT_DIR")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **ranks_env(2))  # 1 and 2 alike
     args = ["rft-generate", "--checkpoint", str(sft_checkpoint), "--rft_min_reward=0",
             *(f"--{k}={v}" for k, v in OPTS.items())]
     outs = {}

@@ -194,14 +194,17 @@ def probe_machine(cfg, task, batch: int = 8):
         model, prec = run.model.eval(), run.precision
         prompt_len = max(len(ex.prompt) for ex in run.task.eval) + 1
         T = min(64, cfg.block_size)
-        x = torch.randint(4, model.cfg.vocab_size, (batch, T))
+        x = torch.randint(4, model.cfg.vocab_size, (batch, T), device=run.device)
+        sync = torch.cuda.synchronize if run.device.type == "cuda" else lambda: None
 
         def timed(fn, reps=2):
             fn()  # warm-up
             best = float("inf")
             for _ in range(reps):
+                sync()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 best = min(best, time.perf_counter() - t0)
             return best
 

@@ -152,7 +152,8 @@ def _hf_generate(model, enc: list[list[int]], s, tok, generator) -> int:
     width = max(map(len, enc))
     ids = torch.tensor([[tok.pad_id] * (width - len(e)) + e for e in enc])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-    torch.manual_seed(int(torch.randint(2**31 - 1, (1,), generator=generator)))
+    torch.manual_seed(int(torch.randint(2**31 - 1, (1,), generator=generator,
+                                        device=generator.device)))
     out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
                          do_sample=not s.greedy, temperature=s.temperature or None,
                          top_k=s.top_k or None, top_p=s.top_p,
