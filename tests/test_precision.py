@@ -1,5 +1,6 @@
 """Precision and speed switches: each one on and off gives a working tiny run."""
 
+import os
 import subprocess
 import sys
 import warnings
@@ -164,3 +165,19 @@ def test_each_rank_gets_a_gpu_of_its_own_or_a_one_line_error(monkeypatch):
     assert resolve_device(tiny(), 3) == torch.device("cpu")
     with pytest.raises(ConfigError, match="device: cuda asked for, but CUDA is not available"):
         resolve_device(tiny(device="cuda"), 0)
+
+
+def test_a_cpu_run_caps_onednns_caches_unless_the_user_set_them(monkeypatch):
+    """Each new matmul shape kept a oneDNN primitive (up to 1024): the LM job grew ~0.3 GB a
+    step. A CPU run caps both caches before its first matmul; a user's own value stands."""
+    from mini_grpo.precision import ONEDNN_CACHES, setup_backends
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    threads = torch.get_num_threads()
+    try:
+        setup_backends(tiny(device="cpu", cpu_malloc_cache=False))
+    finally:
+        torch.set_num_threads(threads)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ONEDNN_CACHES[
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "64"
