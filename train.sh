@@ -6,10 +6,8 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./train.sh   # on each node, NODE_RANK 0 and 1
 #   ./train.sh --lr=3e-5 --max_steps=500        # extra arguments go to distributed_train.py
 #
-# Feature switches (USE_AMP, AMP_DTYPE, USE_TF32, COMPILE_MODEL, COMPILE_MODE, FUSED_OPTIMIZER,
-# GRADIENT_CHECKPOINTING, OFFLOAD_REFERENCE, PARALLEL_REWARDS, REWARD_EXECUTOR, NUM_WORKERS,
-# NUM_THREADS, CPU_MALLOC_CACHE, OUT_DIR, SEED, MAX_STEPS, PARALLELISM, ROLLOUT_ENGINE,
-# LORA_R) are read by the config loader itself, in every rank; see README's table.
+# Feature switches (USE_AMP, MAX_STEPS, ...: `./train.sh --help` lists them all) are read by
+# the config loader itself, in every rank; see README's table.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -44,10 +42,8 @@ if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
     row PYTHON "$PYTHON" "interpreter"
     echo
     echo "feature switches, read by the config in every rank (unset: the config's value):"
-    for v in USE_AMP AMP_DTYPE USE_TF32 COMPILE_MODEL COMPILE_MODE GRADIENT_CHECKPOINTING \
-             OFFLOAD_REFERENCE FUSED_OPTIMIZER PARALLEL_REWARDS REWARD_EXECUTOR NUM_WORKERS \
-             NUM_THREADS CPU_MALLOC_CACHE OUT_DIR SEED MAX_STEPS PARALLELISM ROLLOUT_ENGINE \
-             LORA_R; do
+    # the config's own list (the fields that declare a variable), never a copy of it
+    for v in $("$PYTHON" -c "from mini_grpo.config import ENV_VARS; print(*ENV_VARS)"); do
         row "$v" "${!v:-}" ""
     done
     exit 0

@@ -60,16 +60,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="memory_steps_"))
     results = []
-    for v in a.variant:
-        name, checkout, *rest = v.split(":", 2)
-        extra = rest[0].split(",") if rest and rest[0] else []
-        r = run(name, Path(checkout).resolve(), extra, a.steps, work)
-        print(f"{name}: peak {r['peak_rss_gb']} GB, rss per step {r['rss_gb_per_step']}, "
-              f"median step {r['median_step_s']} s (generation {r['median_generate_s']}, "
-              f"policy {r['median_policy_s']}), wall {r['wall_s']} s", flush=True)
-        results.append(r)
+    with tempfile.TemporaryDirectory(prefix="memory_steps_") as work:  # each run's export:
+        for v in a.variant:  # ~1.8 GB, gone with the directory
+            name, checkout, *rest = v.split(":", 2)
+            extra = rest[0].split(",") if rest and rest[0] else []
+            r = run(name, Path(checkout).resolve(), extra, a.steps, Path(work))
+            print(f"{name}: peak {r['peak_rss_gb']} GB, rss per step {r['rss_gb_per_step']}, "
+                  f"median step {r['median_step_s']} s (generation {r['median_generate_s']}, "
+                  f"policy {r['median_policy_s']}), wall {r['wall_s']} s", flush=True)
+            results.append(r)
     if a.json:
         cpu = next((line.split(":", 1)[1].strip() for line in
                     Path("/proc/cpuinfo").read_text().splitlines()

@@ -157,7 +157,7 @@ def sample_main(argv: list[str]) -> int:
                     help="prompt text (repeatable), e.g. 'e2e4 e7e5:'")
     ap.add_argument("--n", type=int, default=1, help="completions per prompt")
     ap.add_argument("--greedy", action="store_true")
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, help="default: the checkpoint's config")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max_new_tokens", type=int, help="default: the checkpoint's config")
     ap.add_argument("--json", action="store_true",
@@ -175,7 +175,7 @@ def sample_main(argv: list[str]) -> int:
         from .run import setup
 
         overrides = ["--device=cpu", "--compile_model=false", "--rewards=null"]
-        if not args.greedy:  # --greedy takes any --temperature
+        if not args.greedy and args.temperature is not None:  # --greedy takes any
             overrides.append(f"--temperature={args.temperature}")
         if args.max_new_tokens:
             overrides.append(f"--max_new_tokens={args.max_new_tokens}")
@@ -224,7 +224,8 @@ def check_sample_args(args) -> None:
     if args.n * len(args.prompt) > MAX_GENERATED:
         raise ConfigError(f"--n: {args.n:,} completions of {len(args.prompt)} prompt(s) are "
                           f"more than {MAX_GENERATED:,} rows")
-    if not args.greedy and not (math.isfinite(args.temperature) and args.temperature > 0):
+    if not args.greedy and args.temperature is not None and not (
+            math.isfinite(args.temperature) and args.temperature > 0):
         raise ConfigError(f"--temperature: must be a finite number > 0 (or --greedy), got "
                           f"{args.temperature}")
 

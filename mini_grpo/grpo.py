@@ -26,7 +26,7 @@ micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -36,13 +36,21 @@ from .options import keys_with
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss's knobs, named as the config fields whose role is "loss" (`LossSettings.of`)."""
-    beta: float = 0.0  # KL weight; 0 needs no reference
-    epsilon_low: float = 0.2  # clip range of the ratio: [1 - epsilon_low, 1 + epsilon_high]
-    epsilon_high: float = 0.2
-    loss_agg: str = "grpo"  # grpo | dapo | dr_grpo
-    max_new_tokens: int | None = None  # dr_grpo's constant
-    vllm_is_cap: float = 0.0  # truncated importance sampling of the engine's samples; 0 = off
+    """The loss's knobs, named as the config fields whose role is "loss" (`LossSettings.of`).
+    No defaults of their own: the config's are the only ones (`LossSettings.default`)."""
+    beta: float  # KL weight; 0 needs no reference
+    epsilon_low: float  # clip range of the ratio: [1 - epsilon_low, 1 + epsilon_high]
+    epsilon_high: float
+    loss_agg: str  # grpo | dapo | dr_grpo
+    max_new_tokens: int | None  # dr_grpo's constant
+    vllm_is_cap: float  # truncated importance sampling of the engine's samples; 0 = off
+
+    @classmethod
+    def default(cls, **changes) -> LossSettings:
+        """GRPOConfig's defaults, with `changes`."""
+        from .config import GRPOConfig
+
+        return replace(cls.of(GRPOConfig()), **changes)
 
     @classmethod
     def of(cls, cfg) -> LossSettings:
@@ -110,7 +118,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def grpo_loss(logp, old_logp, adv, mask, s: LossSettings = LossSettings(), *, ref_logp=None,
+def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
               entropy=None, num_seqs=None, num_tokens=None,
               engine_logp=None) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one (micro-)batch and its detached statistics.

@@ -37,3 +37,17 @@ def test_sample_export_evaluate_and_resume_take_a_checkpoint_of_every_task(tmp_p
     assert "greedy" in json.loads((tmp_path / "e.json").read_text())
     train(tiny(out, task=task, max_steps=2, **over))  # resumes 1 -> 2
     assert load_checkpoint(list_checkpoints(out / "checkpoints")[-1])["step"] == 2
+
+
+def test_sample_uses_the_checkpoints_temperature_unless_told(tmp_path, monkeypatch):
+    from mini_grpo import engines
+    out = tmp_path / "run"
+    train(tiny(out, max_steps=1, temperature=0.7))
+    ckpt = str(list_checkpoints(out / "checkpoints")[-1])
+    seen, of = [], engines.Sampling.of
+    monkeypatch.setattr(engines.Sampling, "of", staticmethod(
+        lambda cfg, greedy=False: seen.append(cfg.temperature) or of(cfg, greedy)))
+    args = ["sample", "--checkpoint", ckpt, "--prompt", "e2e4:", "--max_new_tokens", "2"]
+    assert main(args) == 0
+    assert main([*args, "--temperature", "1.3"]) == 0
+    assert seen == [0.7, 1.3]

@@ -42,6 +42,12 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
 ADV = torch.tensor([2.0, -1.0])
 
 
+def settings(**changes) -> LossSettings:
+    """The loss these tests state: no KL, a symmetric clip of 0.2, GRPO's aggregation."""
+    return LossSettings.default(**{"beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2,
+                                   "loss_agg": "grpo", "vllm_is_cap": 0.0, **changes})
+
+
 def test_first_pass_ratio_one_gives_minus_advantage_for_every_aggregation():
     logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
     # ratio = 1 everywhere: per-token loss = -A -> seq 0: -2 (x3 tokens), seq 1: +1 (x1)
@@ -50,7 +56,7 @@ def test_first_pass_ratio_one_gives_minus_advantage_for_every_aggregation():
     # dr_grpo: (-6 + 1) / (2 seqs x 3 max tokens) = -5/6
     expected = {"grpo": -0.5, "dapo": -1.25, "dr_grpo": -5 / 6}
     for agg, want in expected.items():
-        s = LossSettings(loss_agg=agg, max_new_tokens=3)
+        s = settings(loss_agg=agg, max_new_tokens=3)
         loss, stats = grpo_loss(logp, logp.detach(), ADV, MASK, s)
         assert loss.item() == pytest.approx(want)
         assert stats.ratio.item() == pytest.approx(1.0)
@@ -66,9 +72,9 @@ def test_clipping_by_hand():
     old = torch.zeros(2, 3)
     logp = torch.log(torch.tensor([[1.5, 1.0, 0.5], [0.5, 1.0, 1.0]]))
     kw = dict(epsilon_low=0.2, epsilon_high=0.2, max_new_tokens=3)
-    loss, stats = grpo_loss(logp, old, ADV, MASK, LossSettings(loss_agg="grpo", **kw))
+    loss, stats = grpo_loss(logp, old, ADV, MASK, settings(loss_agg="grpo", **kw))
     assert loss.item() == pytest.approx(-0.5)
-    loss, stats = grpo_loss(logp, old, ADV, MASK, LossSettings(loss_agg="dapo", **kw))
+    loss, stats = grpo_loss(logp, old, ADV, MASK, settings(loss_agg="dapo", **kw))
     assert loss.item() == pytest.approx(-1.15)
     # clip_high: ratio 1.5 > 1.2 with A > 0 -> 1 of 4 tokens; clip_low: ratio 0.5 < 0.8 with A < 0
     # (seq 1) -> 1 of 4. seq 0's 0.5 has A > 0 and does not count as low-clipped.
@@ -78,7 +84,7 @@ def test_clipping_by_hand():
     assert stats.ratio.item() == pytest.approx(0.875)
     # DAPO clip-higher: eps_high 0.6 no longer clips 1.5 -> token loss -3:
     # dapo: (-3 - 2 - 1 + 0.8) / 4 = -1.3
-    s = LossSettings(loss_agg="dapo", epsilon_low=0.2, epsilon_high=0.6)
+    s = settings(loss_agg="dapo", epsilon_low=0.2, epsilon_high=0.6)
     loss, stats = grpo_loss(logp, old, ADV, MASK, s)
     assert loss.item() == pytest.approx(-1.3)
     assert stats.clip_high.item() == 0
@@ -86,7 +92,7 @@ def test_clipping_by_hand():
 
 def test_kl_k3_by_hand_and_zero_when_policy_equals_reference():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
-    kl = LossSettings(beta=0.1, loss_agg="dapo")
+    kl = settings(beta=0.1, loss_agg="dapo")
     loss0, stats = grpo_loss(logp, logp.detach(), torch.zeros(2), MASK, kl, ref_logp=logp.clone())
     assert stats.kl.item() == 0 and loss0.item() == 0
     # ref prob 0.25 vs policy 0.5 on every token: d = ln(0.25/0.5) = -ln 2
@@ -97,7 +103,7 @@ def test_kl_k3_by_hand_and_zero_when_policy_equals_reference():
     assert stats.kl.item() == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.1 * k3)
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, logp, ADV, MASK, LossSettings(beta=0.1))
+        grpo_loss(logp, logp, ADV, MASK, settings(beta=0.1))
 
 
 def test_global_normalisers_make_micro_batches_sum_to_the_whole():
@@ -108,7 +114,7 @@ def test_global_normalisers_make_micro_batches_sum_to_the_whole():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0]],
                         dtype=torch.bool)
     for agg in ("grpo", "dapo", "dr_grpo"):
-        s = LossSettings(loss_agg=agg, max_new_tokens=5)
+        s = settings(loss_agg=agg, max_new_tokens=5)
         whole, _ = grpo_loss(logp, old, adv, mask, s)
         kw = dict(num_seqs=4, num_tokens=mask.sum())
         parts = sum(grpo_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], s,
@@ -144,7 +150,7 @@ def test_a_padded_position_with_a_very_low_policy_logprob_keeps_the_loss_finite(
     old = torch.tensor([[-1.0, 0.0]])
     for agg in ("grpo", "dapo", "dr_grpo"):
         loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), mask,
-                                LossSettings(beta=0.1, loss_agg=agg, max_new_tokens=2),
+                                settings(beta=0.1, loss_agg=agg, max_new_tokens=2),
                                 ref_logp=ref)
         logp.grad = None
         loss.backward()
@@ -160,7 +166,7 @@ def test_truncated_importance_sampling_by_hand():
     # 1, and exp(-0.5) = 0.607; masked tokens weigh 1
     old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
     engine = old - torch.tensor([[0.7, 0.1, 0.0], [-0.5, 3.0, 3.0]])
-    s = LossSettings(loss_agg="dapo", vllm_is_cap=2.0)
+    s = settings(loss_agg="dapo", vllm_is_cap=2.0)
     logp = old.clone().requires_grad_()
     loss, stats = grpo_loss(logp, old, ADV, MASK, s, engine_logp=engine)
     # ratio 1: per-token loss -A x weight; dapo: (-2 (2 + 1.10517 + 1) + 1 x 0.60653) / 4
@@ -178,8 +184,8 @@ def test_truncated_importance_sampling_by_hand():
 def test_without_a_cap_the_engine_is_measured_but_not_corrected():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
     engine = old - 0.3
-    plain, _ = grpo_loss(old, old, ADV, MASK, LossSettings(loss_agg="dapo"))
-    loss, stats = grpo_loss(old, old, ADV, MASK, LossSettings(loss_agg="dapo"), engine_logp=engine)
+    plain, _ = grpo_loss(old, old, ADV, MASK, settings(loss_agg="dapo"))
+    loss, stats = grpo_loss(old, old, ADV, MASK, settings(loss_agg="dapo"), engine_logp=engine)
     assert loss.item() == plain.item()
     assert stats.engine_diff.item() == pytest.approx(0.3, rel=1e-5)
 
@@ -189,3 +195,15 @@ def test_only_the_vllm_engine_is_corrected():
     assert LossSettings.of(tiny(None)).vllm_is_cap == 0.0  # native: the weight is exactly 1
     vllm = tiny(None, rollout_engine="vllm", vllm_is_cap=3, init_from="some/model")
     assert LossSettings.of(vllm).vllm_is_cap == 3.0
+
+
+def test_loss_settings_take_the_configs_defaults_and_have_none_of_their_own():
+    import dataclasses
+
+    from mini_grpo.config import GRPOConfig
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(LossSettings))
+    cfg = GRPOConfig()
+    s = LossSettings.default()
+    assert (s.beta, s.epsilon_low, s.epsilon_high, s.loss_agg) == (
+        cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.loss_agg)
+    assert LossSettings.default(beta=0.5).beta == 0.5

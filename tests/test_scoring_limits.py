@@ -174,7 +174,7 @@ with RewardScorer([{"name": "test_scoring_limits:ctrl_c"}], executor=sys.argv[1]
     try:
         scorer.score([""], ["x"], [""], None)
     except KeyboardInterrupt:
-        print(f"stopped after {time.perf_counter() - t0:.0f} s")
+        print(f"stopped after {time.perf_counter() - t0:.3f} s")
 """
 
 
@@ -186,7 +186,10 @@ def test_a_real_ctrl_c_still_stops_scoring(executor):
     out = subprocess.run([sys.executable, "-c", CTRL_C, executor], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60, start_new_session=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "stopped after 0 s"  # not after the plugin's 20 s sleep
+    said = out.stdout.strip()
+    assert said.startswith("stopped after "), out.stdout
+    # not after the plugin's 20 s sleep: the bound is the sleep's half, not a speed
+    assert float(said.split()[2]) < 10, said
     assert "Traceback" not in out.stderr  # workers ignore the group's SIGINT
 
 
