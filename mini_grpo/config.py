@@ -39,7 +39,8 @@ TRACKERS = ("tensorboard", "wandb")  # report_to: where metrics go beside metric
 @dataclass
 class GRPOConfig:
     # Each field: opt(default, roles, range check, env=its environment variable); what each
-    # role means (a stage it shapes, fixed on resume, a loss setting): options.ROLES.
+    # role means (a stage it shapes, fixed on resume, a loss setting): options.ROLES. The comment
+    # lines above a field and the one beside it are its --help text: tests fail for one without.
 
     # ---- run ----
     # run directory: config.yaml, metrics.jsonl, tb/, checkpoints/
@@ -55,6 +56,7 @@ class GRPOConfig:
     init_from: str = opt("", "sft resume_lora")
 
     # ---- task and data ----
+    # where prompts, targets and rewards come from: chess_fen, countdown, numeric, jsonl (tasks/)
     task: str = opt("chess_fen", "sft resume")
     # the task's own options, validated by the task (`--task_args.max_plies=8` on the command
     # line; `--task_args='{}'` clears a preset's); chess_fen: num_train, min_plies, max_plies,
@@ -72,8 +74,9 @@ class GRPOConfig:
     # I/O); process: worker processes (python-chess holds the GIL, so only processes scale it)
     reward_executor: Literal["serial", "thread", "process"] = opt("process", "run",
                                                                   env="REWARD_EXECUTOR")
+    # the pool's threads or processes; each plugin's rows are cut into this many chunks
     num_reward_workers: int = opt(2, "run", "1..1024", env="NUM_WORKERS")
-    reward_on_error: float = opt(0.0, "grpo", "[-1e9, 1e9]")  # to rows whose plugin failed
+    reward_on_error: float = opt(0.0, "grpo", "[-1e9, 1e9]")  # reward of rows whose plugin failed
     # seconds per plugin call before it counts as failed
     reward_timeout: float = opt(30.0, "grpo", "(0, 86400]")
     # stop the run when more rows of one plugin fail
@@ -82,21 +85,23 @@ class GRPOConfig:
     reward_concurrency: int = opt(16, "run", "1..4096")
 
     # ---- model ----
-    # our GPT's shape, for runs from scratch (init_from names its own model)
+    # our GPT's transformer blocks, for runs from scratch (init_from names its own model)
     n_layer: int = opt(4, "sft resume", "1..1048576")
-    n_head: int = opt(4, "sft resume", "1..65536")
-    n_embd: int = opt(256, "sft resume", "1..16777216")
+    n_head: int = opt(4, "sft resume", "1..65536")  # our GPT's attention heads, a divisor of n_embd
+    n_embd: int = opt(256, "sft resume", "1..16777216")  # our GPT's width (residual stream)
     # longest prompt + completion, in tokens (+ bos/eos)
     block_size: int = opt(192, "sft resume", "1..16777216")
     # prompts through the tokenizer's chat template as a user message (a Hugging Face
     # tokenizer's; auto = when it has one), after an optional system message
     chat_template: Literal["auto", "on", "off"] = opt("auto", "sft resume")
+    # a system message before each prompt; needs the chat template; "" = none
     system_prompt: str = opt("", "sft resume")
+    # our GPT's dropout probability in training passes (runs from scratch); 0 = off
     dropout: float = opt(0.0, "sft", "[0, 1)")
+    # recompute each block's activations in backward instead of keeping them: less memory
     gradient_checkpointing: bool = opt(False, "run", env="GRADIENT_CHECKPOINTING")
-    # auto = manual under bf16 autocast on CPU (SDPA's bf16 backward ran 2-3x slower there),
-    # else sdpa. Measured on the default model, SFT tokens/s on 2 cores: fp32 sdpa 8.3k,
-    # fp32 manual 8.1k, bf16 sdpa 16.1k, bf16 manual 19.5k.
+    # sdpa: torch's scaled_dot_product_attention; manual: matmul, softmax, matmul; auto = manual
+    # under bf16 autocast on CPU (SDPA's bf16 backward is slower there: docs/results.md), else sdpa
     attn_impl: Literal["auto", "sdpa", "manual"] = opt("auto", "run")
 
     # ---- LoRA (lora.py; docs/guide.md "LoRA") ----
@@ -104,19 +109,17 @@ class GRPOConfig:
     lora_r: int = opt(0, "sft resume", "0..65536", env="LORA_R")
     # the update is scaled by lora_alpha / lora_r
     lora_alpha: float = opt(32.0, "sft resume", "(0, 1e6]")
-    lora_dropout: float = opt(0.0, "sft", "[0, 1)")
+    lora_dropout: float = opt(0.0, "sft", "[0, 1)")  # dropout on the adapters' input; 0 = off
     # by the last part of a module's name; null = every linear layer of attention and MLP
     lora_target_modules: list | None = opt(None, "sft resume")
     # a PEFT adapter directory to continue from (on init_from's base)
     adapter: str = opt("", "sft resume_lora")
 
     # ---- sampling ----
-    # a FEN after 12 plies is at most ~75 characters
+    # most tokens sampled per completion (a FEN after 12 plies is at most ~75 characters)
     max_new_tokens: int = opt(80, "rft_data loss", "1..1048576")
-    # false = recompute the whole sequence per token (the slow baseline)
-    kv_cache: bool = opt(True, "run")
-    # rollouts at 0.7: on the default job GRPO then raised the greedy held-out reward by
-    # +0.052 (0.673 -> 0.725) in 120 steps, against +0.030 at temperature 1.0
+    kv_cache: bool = opt(True, "run")  # false = recompute the whole sequence per token
+    # of all sampling (rollouts, RFT's data, sampled evaluation); why 0.7: docs/results.md
     temperature: float = opt(0.7, "rft_data grpo", "(0, 100]")
     top_k: int = opt(0, "rft_data grpo", "0..1048576")  # 0 = off
     top_p: float = opt(1.0, "rft_data grpo", "(0, 1]")  # 1.0 = off
@@ -126,7 +129,7 @@ class GRPOConfig:
     rollout_engine: Literal["native", "vllm"] = opt("native", "run", env="ROLLOUT_ENGINE")
     # colocate: an in-process engine per rank; server: `mini-grpo vllm-serve` at the url
     vllm_mode: Literal["colocate", "server"] = opt("colocate", "run")
-    vllm_server_url: str = opt("http://127.0.0.1:8000", "run")
+    vllm_server_url: str = opt("http://127.0.0.1:8000", "run")  # server mode: vllm-serve's URL
     vllm_server_timeout: float = opt(600.0, "run", "(0, 86400]")  # one request or weight push
     # auto: bf16 on GPUs
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
@@ -134,8 +137,7 @@ class GRPOConfig:
     vllm_gpu_memory_utilization: float = opt(0.3, "run", "(0, 1]")
     # colocate: consecutive ranks sharing one engine
     vllm_tensor_parallel_size: int = opt(1, "run", "1..1024")
-    # colocate on GPUs: free the engine's memory between rollouts
-    vllm_sleep: bool = opt(False, "run")
+    vllm_sleep: bool = opt(False, "run")  # colocate on GPUs: free its memory between rollouts
     # 0: from the GPU share; on a CPU, one step's rows
     vllm_kv_cache_gib: float = opt(0.0, "run", "[0, 1e6]")
     # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
@@ -152,31 +154,36 @@ class GRPOConfig:
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
     micro_batch_tokens: int = opt(0, "run", "0..1000000000")  # most token positions a pass; 0: off
     num_iterations: int = opt(1, "grpo", "1..1000")  # policy passes per rollout
-    lr: float = opt(3e-5, "grpo", "[0, 1e6]")  # 1e-4 drove KL to ~0.2, greedy reward flat
-    weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")
+    # AdamW's peak learning rate (warm-up, then cosine decay to a tenth); why: docs/results.md
+    lr: float = opt(3e-5, "grpo", "[0, 1e6]")
+    weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")  # AdamW's decoupled decay, matrices only
+    # GRPO's linear warm-up, in steps; SFT stages warm up min(5x this, a tenth of their steps)
     warmup_steps: int = opt(10, "sft grpo", "0..10000000")
-    grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")
+    grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")  # clips the global grad L2 norm; 0 = off
     beta: float = opt(0.04, "loss", "[0, 1e6]")  # KL weight; 0 skips the reference model
+    # PPO clip range of the probability ratio: [1 - epsilon_low, 1 + epsilon_high]
     epsilon_low: float = opt(0.2, "loss", "[0, 1]")
     epsilon_high: float = opt(0.28, "loss", "[0, 1e6]")  # DAPO clip-higher
+    # advantages = reward - group mean, divided by the group's std (group), the whole batch's
+    # std (batch), or nothing (none: Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = opt("group", "grpo")
+    # the loss over tokens: grpo = mean per sequence, then over sequences; dapo = sum over
+    # all tokens / their number in the global batch; dr_grpo = sum / (rows x max_new_tokens)
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
     dynamic_sampling: bool = opt(False, "grpo")  # drop groups whose rewards are all equal
     # rows that hit max_new_tokens without EOS carry no loss (DAPO); see overlong_penalty
     mask_truncated: bool = opt(False, "grpo")
 
     # ---- SFT warm start ----
-    # the task is compute-bound: 1000 steps (5.7 min at ~24k tok/s under bf16) reached 18%
-    # exact and 69% valid greedy FENs on held-out games
+    # optimizer steps on the task's (prompt, target) rows before GRPO; why: docs/results.md
     sft_steps: int = opt(1200, "sft", "0..10000000")
-    sft_batch_size: int = opt(64, "sft", "> 0", at_most=MAX_GENERATED)
-    sft_lr: float = opt(1e-3, "sft", "[0, 1e6]")
+    sft_batch_size: int = opt(64, "sft", "> 0", at_most=MAX_GENERATED)  # rows per step, all ranks
+    sft_lr: float = opt(1e-3, "sft", "[0, 1e6]")  # peak learning rate, scheduled as lr's
 
     # ---- rejection-sampling fine-tuning (mode: rft) ----
     # completions sampled per prompt
     rft_oversample: int = opt(16, "rft_data", "> 0", at_most=MAX_GENERATED)
-    # prompts per batched generation pass (x rft_oversample rows): 8 was the fastest of 1-64 on
-    # the 2-core CPU (docs/guide.md's RFT table); GPUs want far larger passes
+    # prompts per generation pass (x rft_oversample rows); GPUs want far more (docs/results.md)
     rft_prompts_per_batch: int = opt(8, "run", "> 0", at_most=MAX_GENERATED)
     rft_min_reward: float = opt(0.9, "rft_data", "[-1e9, 1e9]")  # keep completions at or above
     # per prompt: the best one, or every distinct one
@@ -184,15 +191,15 @@ class GRPOConfig:
     # distinct training prompts to generate for (0 = the split)
     rft_num_prompts: int = opt(2048, "rft_data", "0..10000000")
     rft_sft_steps: int = opt(300, "rft", "0..10000000")  # SFT steps on the accepted completions
-    rft_lr: float = opt(3e-4, "rft", "[0, 1e6]")
+    rft_lr: float = opt(3e-4, "rft", "[0, 1e6]")  # peak learning rate of the SFT on RFT's data
 
     # ---- evaluation, logging, checkpoints ----
-    eval_every: int = opt(50, "run", "1..10000000")
-    log_every: int = opt(1, "run", "1..10000000")
+    eval_every: int = opt(50, "run", "1..10000000")  # greedy held-out eval every N GRPO steps
+    log_every: int = opt(1, "run", "1..10000000")  # metrics every N steps
     # metrics.jsonl always; plus any of tensorboard, wandb (pip install -e .[wandb])
     report_to: list = opt(["tensorboard"], "run")
-    save_every: int = opt(50, "run", "1..10000000")
-    keep_checkpoints: int = opt(3, "run", "1..10000")
+    save_every: int = opt(50, "run", "1..10000000")  # GRPO checkpoint every N steps and at the end
+    keep_checkpoints: int = opt(3, "run", "1..10000")  # GRPO checkpoints kept: the newest N
     # the run's end writes <out_dir>/hf/, a Hugging Face directory (transformers, vLLM), in
     # this dtype; auto = the dtype init_from's config.json names, else float32
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("auto", "run")
@@ -208,19 +215,19 @@ class GRPOConfig:
     fsdp_shard_size: int = opt(0, "run", "0..65536")
 
     # ---- precision and speed ----
-    # torch.autocast around forward passes. `auto`: bf16 on CUDA (fp16 without bf16); on a CPU
-    # with bf16 units, whichever of bf16 and fp32 a probe at start (dtype_probe.py, cached)
-    # runs faster: bf16 doubled SFT tokens/s on a Xeon with AMX (8.3k -> 16-19k), while on an
-    # AMD Zen4 (AVX-512 BF16, no AMX) the same job ran 2.3x slower in all
+    # torch.autocast around training's forward passes, in amp_dtype
     use_amp: bool = opt(True, "sft", env="USE_AMP")
+    # auto = bf16 on CUDA (fp16 without bf16); on a CPU with bf16 units the faster of bf16 and
+    # fp32 in a probe at start (dtype_probe.py, cached; CPUs differ: docs/results.md), else fp32
     amp_dtype: Literal["bfloat16", "float16", "auto"] = opt("auto", "sft", env="AMP_DTYPE")
-    # autocast while sampling; auto = follow use_amp, and on a CPU the probe's faster of the
-    # two (Zen4 sampled 1.5x slower in bf16, 1.31 vs 0.85 s per step; AMX faster)
+    # autocast while sampling: on = in amp_dtype, off = fp32; auto = follow use_amp, and on a
+    # CPU the probe's faster of the two
     generation_amp: Literal["auto", "on", "off"] = opt("auto", "run")
     use_tf32: bool = opt(True, "run", env="USE_TF32")  # TF32 matmuls on Ampere+; no-op elsewhere
-    # ~30 s cold start; on the 2-core CPU the compiled policy update ran 2.5x slower than
-    # eager (1.52 vs 0.61 s, after 4 warm-up steps): meant for GPUs
+    # torch.compile the model's training forward (eager if compiling fails); a cold start of
+    # ~30 s, and slower than eager on a CPU (docs/results.md): meant for GPUs
     compile_model: bool = opt(False, "run", env="COMPILE_MODEL")
+    # torch.compile's mode, under compile_model
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = opt(
         "default", "run", env="COMPILE_MODE")
     # fused AdamW kernel; false = the per-parameter loop
@@ -229,9 +236,8 @@ class GRPOConfig:
     offload_reference: bool = opt(False, "run", env="OFFLOAD_REFERENCE")
     # torch intra-op threads per process; 0 = cores / local ranks
     num_threads: int = opt(0, "run", "0..4096", env="NUM_THREADS")
-    # CPU runs (glibc): keep freed memory for reuse instead of handing big tensors back to the
-    # OS, whose page faults on every fresh buffer cost 1.4x on the production model's policy
-    # update (precision.keep_freed_memory); the price is a process that never shrinks
+    # CPU runs (glibc): keep freed memory for reuse, not hand big tensors back to the OS, whose
+    # page faults slow the policy update (docs/results.md); the process never shrinks
     cpu_malloc_cache: bool = opt(True, "run", env="CPU_MALLOC_CACHE")
     # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
     guard_patience: int = opt(3, "run", "1..1000")

@@ -1,7 +1,8 @@
 """`distributed_train.py --help` / `mini-grpo train --help` and README's table of environment
 variables, both generated from GRPOConfig's declarations: each field's type, default, range,
-roles and variable (options.opt), with the comment beside or above it as its help, grouped by
-the dataclass's `# ---- section ----` lines, so neither can drift from the fields.
+roles and variable (options.opt), with the comment above and beside it as its help, grouped by
+the dataclass's `# ---- section ----` lines, so neither can drift from the fields. A field
+without a comment has no help: `missing_help` finds it, and tests/test_config.py fails on it.
 
     python -m mini_grpo.config_help --env-table    # README's table, as tests compare it
 """
@@ -20,11 +21,12 @@ from .options import default_of
 ENV_VARS_OF = {field: f"env {var}" for var, field in ENV_VARS.items() if var not in LEGACY_ENV}
 
 
-def _comments() -> tuple[dict[str, str], dict[str, str]]:
-    """(help, section) of each field: the comment beside its declaration, else the comment
-    lines just above it; the `# ---- name ----` line it comes under."""
+def _comments(source: str = "") -> tuple[dict[str, str], dict[str, str]]:
+    """(help, section) of each field declared in `source` (GRPOConfig's): the comment lines
+    just above its declaration (a blank line ends their reach), then the comment beside its
+    first line; the `# ---- name ----` line it comes under."""
     helps, sections, above, section = {}, {}, [], ""
-    for line in inspect.getsource(GRPOConfig).splitlines():
+    for line in (source or inspect.getsource(GRPOConfig)).splitlines():
         stripped = line.strip()
         if stripped.startswith("# ----"):
             section, above = stripped.strip("# -").strip(), []
@@ -32,11 +34,17 @@ def _comments() -> tuple[dict[str, str], dict[str, str]]:
             above.append(stripped.lstrip("# "))
         elif (m := re.match(r"^    (\w+): ", line)) and m[1] in FIELDS:
             inline = line.partition("  # ")[2] if ")  # " in line else ""
-            helps[m[1]], sections[m[1]] = inline or " ".join(above), section
+            helps[m[1]], sections[m[1]] = " ".join(x for x in [*above, inline] if x), section
             above = []
         elif not stripped or stripped.startswith("def "):
             above = []
     return helps, sections
+
+
+def missing_help(source: str = "") -> list[str]:
+    """The fields with no help text in `source` (GRPOConfig's), in declaration order."""
+    helps = _comments(source)[0]
+    return [name for name in FIELDS if not helps.get(name)]
 
 
 def _kind(name: str) -> str:
