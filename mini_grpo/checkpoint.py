@@ -8,8 +8,8 @@ parallelised now (state.TrainState calls both; fsdp.py holds the state-dict prim
 A one-file checkpoint is one `step_NNNNNNN.pt` file holding plain tensors and Python values:
 model and optimizer state, step, guard, RNG states, the resolved config, the tokenizer, and
 the format marker (FORMAT, VERSION) without which no file counts as a checkpoint: retention
-neither counts nor removes it, resume and every command refuse it. It is
-written to `.step_NNNNNNN.pt.tmp<pid>`, flushed and fsynced, renamed over the final name, and
+neither counts nor removes it, resume and every command refuse it. It is written through
+outputs.write_atomic: to `.step_NNNNNNN.pt.tmp<pid>`, fsynced, renamed over the final name, and
 the directory is fsynced so the rename survives a power cut; a kill mid-write therefore never
 leaves a broken newest checkpoint, and a file that still fails to load is skipped with a warning.
 A failed write (disk full, I/O error) removes its temp file, leaves older checkpoints alone and
@@ -19,14 +19,13 @@ clean_stale_temps (the trainer calls it at start) and by every save into that di
 Under fsdp a checkpoint is a directory `step_NNNNNNN.dcp` instead (`save`): every rank
 writes its shards with torch.distributed.checkpoint into `.step_NNNNNNN.dcp.tmp`,
 rank 0 adds `meta.pt` (everything but the weights and optimizer state) and renames it into
-place. `load_checkpoint` returns its meta with "sharded": the directory's path; one without
-DCP's `.metadata` or `meta.pt` (cut short) is skipped like a corrupt file.
+place (outputs.swap_dir). `load_checkpoint` returns its meta with "sharded": the directory's
+path; one without DCP's `.metadata` or `meta.pt` (cut short) is skipped like a corrupt file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import pickle
@@ -40,15 +39,16 @@ import torch
 
 from . import distributed as D
 from . import fsdp
-from .outputs import write_reason
+from .outputs import swap_dir, write_atomic, write_reason
 
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 # in every checkpoint (a one-file one's state, a sharded one's meta.pt): a file is ours only if
 # it says so. Retention counts and removes, and resume reads, only files that carry it.
 FORMAT = "mini-grpo checkpoint"
 VERSION = 1
-_TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")
-_TEMP_DIR = re.compile(r"^\.step_\d+\.dcp\.tmp$")  # all ranks write it: no pid to check
+_TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")  # write_atomic's temporary file
+# all ranks write .tmp: no pid to check; .old<pid>: swap_dir's old one, left by a kill
+_TEMP_DIR = re.compile(r"^\.step_\d+\.dcp\.(tmp|old\d+)$")
 
 
 class CheckpointError(ValueError):
@@ -87,9 +87,7 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
         fsdp.write_shards(model, opt, tmp, keep=weights_kept(model))
         if D.is_main():
             torch.save({**meta, "format": FORMAT, "version": VERSION}, tmp / "meta.pt")
-            shutil.rmtree(final, ignore_errors=True)  # the same step saved again
-            os.replace(tmp, final)
-            _fsync_dir(directory)
+            swap_dir(tmp, final, durable=True)  # over the same step saved before
     except Exception as e:  # disk full on any rank: no half directory left, older ones kept
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"cannot write checkpoint {final}: {write_reason(e)}") \
@@ -189,19 +187,15 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int,
     directory.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(directory)  # before writing: a full disk may need the room
     path = directory / f"step_{step:07d}.pt"
-    tmp = directory / f".{path.name}.tmp{os.getpid()}"
-    try:
+    state = {**state, "format": FORMAT, "version": VERSION}
+
+    def fill(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            torch.save({**state, "format": FORMAT, "version": VERSION}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
-            raise
+            torch.save(state, f)
+
+    try:
+        write_atomic(path, fill, durable=True)
+    except Exception as e:  # torch.save's own errors too; KeyboardInterrupt goes on as it is
         raise CheckpointWriteError(f"cannot write checkpoint {path}: {write_reason(e)}") from e
     prune(directory, keep, path)
     return path
@@ -250,7 +244,8 @@ def loadable(path: Path) -> bool:
 
 def clean_stale_temps(directory: str | Path) -> list[Path]:
     """Removes `.step_*.pt.tmp<pid>` files whose writer is gone (or is this process, which
-    writes one checkpoint at a time); returns them. pids are this host's, so only one job,
+    writes one checkpoint at a time) and fsdp's `.step_*.dcp.tmp` / `.old<pid>` directories;
+    returns them. pids are this host's, so only one job,
     on one host, should write into a directory."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -280,21 +275,6 @@ def _alive(pid: int) -> bool:
     except (OSError, OverflowError):  # EPERM: another user's process; a pid out of range
         pass
     return True
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Makes a rename inside `directory` durable; skipped where a directory cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # EINVAL: this file system cannot sync directories
-            raise
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

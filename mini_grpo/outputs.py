@@ -3,6 +3,7 @@
     path = replace_dir("runs/x/hf", HF_FILES, lambda tmp: ...write files into tmp...)
     write_file("runs/x/eval.json", text)                       # inside a run's own directory
     write_file("out.json", text, owned=lambda p: ...)          # replaces only a file of ours
+    write_atomic("x.pt", lambda tmp: torch.save(obj, tmp), durable=True)  # a library's writer
 
 A training run writes into its out_dir only where that is new, empty, or a run directory
 (RUN_MARKER), and only while it holds the directory's lock (`claim_run_dir`): never into a
@@ -14,7 +15,9 @@ ConfigError naming the path and a file in it (exit 2), before any work: a run di
 user's notes, a file where the directory should be. The new files go to a temporary sibling
 that replaces the old directory by renames; a failed write (disk full, I/O error) removes the
 temporary directory, leaves the old one as it was, and is an OutputWriteError of one line (exit
-1).
+1). A file is written the same way (write_atomic: checkpoints, GGUF exports, the dtype probe's
+cache, tokenizer files, eval.json): into a temporary sibling, renamed over it once whole;
+`durable` fsyncs it and its directory, so that the rename survives a power cut.
 """
 
 from __future__ import annotations
@@ -152,48 +155,111 @@ def check_file(output: str | Path, owned: Callable[[Path], bool]) -> Path:
 
 def write_file(output: str | Path, text: str,
                owned: Callable[[Path], bool] | None = None) -> Path:
-    """`text` into `output` through a temporary sibling and a rename (a kill leaves the old
-    file whole). `owned`: where given, an existing file is replaced only if it says yes
-    (check_file); without it the caller owns the path (a file in a run's own directory). A
-    failed write removes the temporary file and is an OutputWriteError of one line."""
-    out = check_file(output, owned) if owned is not None else Path(output)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    """`text` into `output` (write_atomic). `owned`: where given, an existing file is replaced
+    only if it says yes (check_file); without it the caller owns the path (a file in a run's
+    own directory)."""
+    if owned is not None:
+        check_file(output, owned)
+    return write_atomic(output, lambda tmp: tmp.write_text(text))
+
+
+def write_atomic(output: str | Path, fill: Callable[[Path], None],
+                 durable: bool = False) -> Path:
+    """Has `fill` write the file at the path it is given (a temporary sibling of `output`,
+    closed when fill returns) and renames that over `output`: a kill leaves the old file
+    whole. `durable`: the file, then its directory, fsynced (checkpoints). The caller owns
+    `output`. A failed write removes the temporary file; an I/O error (disk full) is an
+    OutputWriteError of one line, anything else (a bug) goes on as it is."""
+    out = Path(output)
+    tmp = _temp(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
+        fill(tmp)
+        if durable:
+            _fsync(tmp)
         os.replace(tmp, out)
-    except OSError as e:
+        if durable:
+            _fsync_dir(out.parent)
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise OutputWriteError(f"cannot write {output}: {write_reason(e)}") from e
+        _raise_write_error(output, e)
+        raise
     return out
 
 
 def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], None]) -> Path:
     """Checks `output` (check_replaceable), has `fill` write into a temporary sibling, marks
-    it and swaps it in; the old directory goes only once the new one is complete."""
+    it and swaps it in (swap_dir)."""
     out = check_replaceable(output, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    old = out.with_name(f".{out.name}.old{os.getpid()}")
+    tmp = _temp(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         fill(tmp)
         (tmp / MARKER).write_text("written by mini-grpo: it may replace this directory\n")
         _as_umask_gives(tmp, (tmp / MARKER).stat().st_mode & 0o777)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException as e:  # the old directory back, no temporary one left, then why
+        swap_dir(tmp, out)
+    except BaseException as e:  # no temporary directory left, then why
         shutil.rmtree(tmp, ignore_errors=True)
+        _raise_write_error(output, e)
+        raise
+    return out
+
+
+def swap_dir(tmp: Path, out: Path, durable: bool = False) -> None:
+    """Directory `tmp`, complete, takes `out`'s place by renames: an old `out` is moved aside
+    to `.<name>.old<pid>`, put back if the rename fails, removed once `tmp` is in place.
+    `durable`: the parent fsynced after the rename."""
+    old = out.with_name(f".{out.name}.old{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
         if old.exists() and not out.exists():
             os.replace(old, out)
-        if isinstance(e, OSError) or write_reason(e) == "disk full":
-            raise OutputWriteError(f"cannot write {output}: {write_reason(e)}") from e
         raise
+    if durable:
+        _fsync_dir(out.parent)
     shutil.rmtree(old, ignore_errors=True)
-    return out
+
+
+def _temp(out: Path) -> Path:
+    """The temporary sibling a file or directory is written to (checkpoint.clean_stale_temps
+    knows this name)."""
+    return out.with_name(f".{out.name}.tmp{os.getpid()}")
+
+
+def _raise_write_error(output: str | Path, e: BaseException) -> None:
+    """An I/O error (disk full, however a library words it) as an OutputWriteError of one line
+    naming `output`; anything else (a bug, Ctrl-C) is left to go on."""
+    if isinstance(e, (OSError, OutputWriteError)) or write_reason(e) == "disk full":
+        raise OutputWriteError(f"cannot write {output}: {write_reason(e)}") from e
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDWR)  # O_RDWR: Windows' _commit refuses a read-only descriptor
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes a rename inside `directory` durable; skipped where a directory cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: this file system cannot sync directories
+            raise
+    finally:
+        os.close(fd)
 
 
 def _as_umask_gives(directory: Path, mode: int) -> None:

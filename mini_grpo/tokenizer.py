@@ -26,6 +26,7 @@ from pathlib import Path
 from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, template_text
 from .fields import ConfigError, show
 from .jsonio import check_tree, read_json_object
+from .outputs import write_atomic, write_file
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
@@ -99,7 +100,7 @@ class CharTokenizer:
         return list(self.chars)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False))
+        write_file(path, json.dumps({"type": "char", "chars": self.chars}, ensure_ascii=False))
 
     def save_pretrained(self, path: str | Path) -> None:
         """tokenizer.json + tokenizer_config.json: a BPE with no merges over our characters
@@ -113,11 +114,10 @@ class CharTokenizer:
         tk.post_processor = processors.TemplateProcessing(
             single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        tk.save(str(path / "tokenizer.json"))
+        write_atomic(path / "tokenizer.json", lambda tmp: tk.save(str(tmp)))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>",
                   "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
-        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        write_file(path / "tokenizer_config.json", json.dumps(config, indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> CharTokenizer:
@@ -311,13 +311,12 @@ class HFTokenizer:
     def save_pretrained(self, path: str | Path) -> None:
         """tokenizer.json, tokenizer_config.json (with the chat template) into a directory."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.tk.save(str(path / "tokenizer.json"))
+        write_atomic(path / "tokenizer.json", lambda tmp: self.tk.save(str(tmp)))
         config = dict(self.config)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2,
-                                                               ensure_ascii=False))
+        write_file(path / "tokenizer_config.json", json.dumps(config, indent=2,
+                                                              ensure_ascii=False))
 
 
 Tokenizer = CharTokenizer | HFTokenizer

@@ -389,3 +389,24 @@ def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_directory(tmp_p
                         keep=1)
     assert sorted(os.listdir(tmp_path)) == ["step_0000002.dcp"]
     assert load_checkpoint(tmp_path / "step_0000002.dcp")["step"] == 2
+
+
+def test_a_sharded_step_saved_again_is_swapped_in_and_a_killed_swaps_leftovers_go(tmp_path,
+                                                                                  monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    sharded(tmp_path, 3)
+
+    def write(model, opt, path, keep=None):
+        dcp.save({"model": {"w": torch.zeros(64, 64)}}, checkpoint_id=str(path))
+
+    monkeypatch.setattr(C.fsdp, "write_shards", write)
+    C._save_sharded(torch.nn.Linear(2, 2), None, {"kind": "grpo", "step": 3, "again": 1},
+                    tmp_path, 3, keep=0)
+    assert os.listdir(tmp_path) == ["step_0000003.dcp"]  # no .tmp, no .old left
+    assert load_checkpoint(tmp_path / "step_0000003.dcp")["again"] == 1
+    for stale in (".step_0000004.dcp.tmp", f".step_0000003.dcp.old{dead_pid()}"):
+        (tmp_path / stale).mkdir()
+    assert sorted(p.name for p in clean_stale_temps(tmp_path)) == [
+        f".step_0000003.dcp.old{dead_pid()}", ".step_0000004.dcp.tmp"]
+    assert os.listdir(tmp_path) == ["step_0000003.dcp"]

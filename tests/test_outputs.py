@@ -1,6 +1,7 @@
-"""Directories written whole (outputs.py: export, import-gguf, a run's hf/ and adapter/) never
-replace a user's files, and a failed write leaves nothing half-written: the cases an
-adversarial pass found destroying run directories, each refused with one line naming it."""
+"""Directories and files written whole (outputs.py: export, import-gguf, a run's hf/ and
+adapter/, checkpoints, tokenizer files) never replace a user's files, and a failed write leaves
+nothing half-written: the cases an adversarial pass found destroying run directories, each
+refused with one line naming it."""
 
 import errno
 import os
@@ -187,3 +188,70 @@ def test_evaluate_json_never_replaces_a_users_file(tmp_path, capsys):
     assert evaluate_main(["--checkpoint", str(tmp_path / "none.pt"), "--json", str(notes)]) == 2
     assert "notes.json: exists and was not written" in capsys.readouterr().err
     assert notes.read_text() == '{"mine": 1}'
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   OSError("6144 requested and 3520 written"),
+                                   OSError(errno.EIO, "Input/output error")])
+def test_write_atomic_leaves_the_old_file_and_no_temporary_when_the_fill_fails(tmp_path,
+                                                                               error):
+    from mini_grpo.outputs import write_atomic
+
+    out = write_atomic(tmp_path / "x.bin", lambda tmp: tmp.write_bytes(b"old"))
+
+    def full(tmp):
+        tmp.write_bytes(b"ha")  # part written, then the disk fails
+        raise error
+
+    with pytest.raises(OutputWriteError) as e:
+        write_atomic(out, full, durable=True)
+    why = "Input/output error" if error.errno == errno.EIO else "disk full"
+    assert str(e.value) == f"cannot write {out}: {why}"
+    assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["x.bin"]
+    for bug in (ZeroDivisionError, KeyboardInterrupt):  # not a write error: as it is
+        def fill(tmp, bug=bug):
+            tmp.write_bytes(b"ha")
+            raise bug
+
+        with pytest.raises(bug):
+            write_atomic(out, fill)
+        assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["x.bin"]
+
+
+def test_write_atomic_fsyncs_a_durable_file_before_its_rename(tmp_path, monkeypatch):
+    from mini_grpo.outputs import write_atomic
+
+    def fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    (tmp_path / "x.bin").write_bytes(b"old")
+    write_atomic(tmp_path / "x.bin", lambda tmp: tmp.write_bytes(b"new"))  # no fsync asked
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_atomic(tmp_path / "x.bin", lambda tmp: tmp.write_bytes(b"newer"))
+    with pytest.raises(OutputWriteError, match=r"x\.bin: Input/output error$"):
+        write_atomic(tmp_path / "x.bin", lambda tmp: tmp.write_bytes(b"lost"), durable=True)
+    assert (tmp_path / "x.bin").read_bytes() == b"newer" and os.listdir(tmp_path) == ["x.bin"]
+
+
+def test_swap_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, monkeypatch):
+    from mini_grpo.outputs import swap_dir
+
+    out, new = tmp_path / "out", tmp_path / ".out.tmp"
+    for d, text in ((out, "old"), (new, "new")):
+        d.mkdir()
+        (d / "f").write_text(text)
+    real = os.replace
+
+    def replace(src, dst):
+        if src == new:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):
+        swap_dir(new, out)
+    assert (out / "f").read_text() == "old" and sorted(os.listdir(tmp_path)) == [".out.tmp",
+                                                                                "out"]
+    monkeypatch.undo()
+    swap_dir(new, out, durable=True)
+    assert (out / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, check_shapes
-from ..outputs import OutputWriteError, write_reason
+from ..outputs import write_atomic
 from . import CausalLM, build, check_size
 from .gguf_vocab import gguf_tokenizer, gguf_vocab
 
@@ -362,7 +362,7 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
     weights in `qtype` (a quantized type falls back to f16 for rows that are not whole
     blocks of 32), 1-D ones in f32. `state`: the weights to write instead of
     model.state_dict() (merged LoRA, a sharded model's full ones). Written to a temporary
-    sibling and renamed."""
+    sibling and renamed (outputs.write_atomic)."""
     import gguf
 
     from .hf import export_config
@@ -378,12 +378,11 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
                          f"supported")
     tokens, types, merges, pre, add_bos = gguf_vocab(tok, c.vocab_size)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     Q = gguf.GGMLQuantizationType
     want = Q[qtype.upper()]
     ftype = gguf.LlamaFileType.ALL_F32 if want == Q.F32 else \
         gguf.LlamaFileType[f"MOSTLY_{want.name}"]
-    w = gguf.GGUFWriter(str(tmp), arch)
+    w = gguf.GGUFWriter(None, arch)  # its file: write_atomic's temporary one
     w.add_type("model")
     w.add_string(OURS, "1")  # is_our_gguf: a later export may replace this file
     w.add_context_length(c.block_size)
@@ -432,20 +431,19 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
             w.add_tensor(_theirs(name), a.astype(np.float16) if kind == Q.F16 else a)
         else:
             w.add_tensor(_theirs(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+
+    def fill(tmp: Path) -> None:
+        try:
+            w.write_header_to_file(tmp)
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        except BaseException:  # disk full: its buffer unflushed, closed now, not at exit
+            with contextlib.suppress(OSError):
+                w.close()
+            raise
         w.close()
-        tmp.replace(path)
-    except OSError as e:  # disk full: no half-written file, the old one untouched
-        with contextlib.suppress(OSError):  # its buffer unflushed: closed now, not at exit
-            w.close()
-        raise OutputWriteError(f"cannot write {path}: {write_reason(e)}") from e
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+
+    return write_atomic(path, fill)
 
 
 def is_our_gguf(path: Path) -> bool:
