@@ -70,8 +70,8 @@ from mini_grpo.benchmarks.lora_vs_full import bench_lora, format_lora
 from mini_grpo.benchmarks.shapes import ensure as ensure_shape
 from mini_grpo.config import ConfigError, load_config, parse_cli
 from mini_grpo.dtype_probe import cpu_name
+from mini_grpo.engines.native import generate
 from mini_grpo.policy import is_model_dir
-from mini_grpo.rollout import generate
 
 # ---- sections ----
 

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mini_grpo import distributed as D  # noqa: E402
 from mini_grpo import fsdp  # noqa: E402
 from mini_grpo.config import load_config, parse_cli  # noqa: E402
+from mini_grpo.engines.native import generate  # noqa: E402
 from mini_grpo.models import build  # noqa: E402
 from mini_grpo.policy import gpt_spec  # noqa: E402
-from mini_grpo.rollout import generate  # noqa: E402
 
 
 def main() -> None:

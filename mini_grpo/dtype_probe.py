@@ -13,7 +13,7 @@ the SmolLM2-135M shape.
     else ~/.cache/mini_grpo/probe.json
 
 The file is untrusted input: a missing, unreadable or malformed file or entry is a miss (timed
-again and rewritten), never an error; it is replaced atomically (temporary file, rename).
+again and rewritten), never an error; it is replaced atomically (outputs.write_file).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,8 +29,9 @@ from pathlib import Path
 import torch
 
 from . import distributed as D
+from .engines.native import generate
+from .outputs import OutputWriteError, write_file
 from .precision import attention_impl
-from .rollout import generate
 
 MAX_BYTES = 1 << 20  # the file holds a few hundred bytes per entry
 MAX_ENTRIES = 64  # the newest kept
@@ -89,16 +89,10 @@ def read_cache(path: Path) -> dict[str, dict[str, float]]:
 def write_cache(path: Path, entries: dict) -> None:
     """`entries` (the newest MAX_ENTRIES) as the file, atomically; a failure only loses the
     cache."""
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(dict(list(entries.items())[-MAX_ENTRIES:]), f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        write_file(path, json.dumps(dict(list(entries.items())[-MAX_ENTRIES:]), indent=1))
+    except OutputWriteError:
+        pass
 
 
 def probe_dtypes(model, cfg, parts: tuple[str, ...]) -> dict[str, float]:

@@ -16,7 +16,7 @@ import torch
 
 from .engines import Sampling
 from .rewards.text import exact_match
-from .rollout import score
+from .scoring import score
 
 if TYPE_CHECKING:
     from .run import Run

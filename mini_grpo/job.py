@@ -61,26 +61,24 @@ def train(cfg) -> dict:
         if "sft" in stages:
             amp = train_sft(run, amp=amp)
         result = {}
-        if "rft" in stages:
-            run.sync_engine()  # what SFT (or init_from) left: the evaluation's and RFT's
-            with fsdp.full_params(run.model):  # every rank gathers, rank 0 evaluates
-                if run.dist.is_main:
+        if "rft" in stages:  # what SFT (or init_from) left: the evaluation's and RFT's
+            with run.rank0_with_weights() as main:
+                if main:
                     result = saved_evals(run) if resume is not None else {}
                     if "before" not in result:
                         result["before"] = eval_both(run, 0, amp)
             amp = run_rft(run, amp)
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
-            run.sync_engine()
-            with fsdp.full_params(run.model):
-                result = before_grpo(run, resume, amp, result)
+            with run.rank0_with_weights() as main:
+                if main:
+                    result = before_grpo(run, resume, amp, result)
             if resume is not None:
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
             amp = train_grpo(run, resume, amp).guard.amp
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
-        run.sync_engine()  # the final evaluation samples the final weights
-        with fsdp.full_params(run.model):
-            if run.dist.is_main:
+        with run.rank0_with_weights() as main:  # the final evaluation: the final weights
+            if main:
                 finish(run, result, stages, weights, amp)
     return result
 
@@ -188,9 +186,7 @@ def check_resume(run: Run, state: dict, path: str) -> list[str]:
 
 def before_grpo(run: Run, resume: dict | None, amp: bool, result: dict) -> dict:
     """The evaluation GRPO starts from ("before"; "rft" after an RFT stage, `result` holding
-    the one before it): computed on a fresh start, kept from eval.json on resume."""
-    if not run.dist.is_main:
-        return {}
+    the one before it): computed on a fresh start, kept from eval.json on resume. Rank 0."""
     name = "rft" if "before" in result else "before"
     if resume is not None:
         return {**result, **saved_evals(run)}
@@ -207,12 +203,12 @@ def saved_evals(run: Run) -> dict:
 
 
 def run_rft(run: Run, amp: bool) -> bool:
-    """Rejection sampling from the current model (the engine synced with it by `train`,
-    before the evaluation ahead of RFT), then SFT on the accepted completions; returns the
-    SFT's autocast verdict."""
+    """Rejection sampling from the current model, then SFT on the accepted completions;
+    returns the SFT's autocast verdict."""
     cfg = run.cfg
     examples = first_prompts(run.task.train, cfg.rft_num_prompts)
     data = rft_dir(cfg) / "data.jsonl"
+    run.sync_engine()  # the engine had these weights for the evaluation before: a no-op
     with fsdp.full_params(run.model):  # each rank samples alone
         # the run's own directory: data of other settings there is regenerated, not refused
         generate_rft_data(run, examples, data, amp, replace_stale=True)

@@ -2,7 +2,7 @@
 
 Each distinct prompt goes through the model once (GPT.forward_shared) and its completions
 attend to its keys and values; every token's position and visible context equal those of
-sampling (rollout.generate), so the log-probs equal the ones recorded there up to rounding.
+sampling (engines/native.py), so the log-probs equal the ones recorded there up to rounding.
 
 Log-probs are those of log_softmax(logits / temperature), in fp32, 0 where masked. Entropy is
 a metric: it is computed without autograd, so it never adds a (B, N, V) tensor to the graph.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.graph import increment_version
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
@@ -13,6 +14,10 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
 
     fused=True: the fused AdamW kernel (CUDA, and CPU in torch >= 2.4); False: the plain
     per-parameter loop (no foreach), the slow baseline benchmark.py compares against.
+
+    Every step that goes through moves its parameters' version counters, as any in-place
+    write does: the fused kernel alone does not (torch 2.13), and an engine that keeps a
+    copy of the weights tells by them whether it has something to sync (engines.WeightsSeen).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -20,8 +25,15 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if fused:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+    opt.register_step_post_hook(_written)
+    return opt
+
+
+def _written(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    increment_version([p for g in opt.param_groups for p in g["params"]])
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

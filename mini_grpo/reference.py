@@ -52,24 +52,25 @@ class Reference:
             self.model.to(device)
 
     @torch.no_grad()
-    def logprobs(self, mb, temperature: float = 1.0) -> torch.Tensor:
-        """(b, n) fp32 log-probs of a rollout.MicroBatch's completion tokens under the
-        reference policy."""
+    def logprobs(self, mb) -> torch.Tensor:
+        """(b, n) fp32 log-probs of a trajectory.MicroBatch's completion tokens under the
+        reference policy, at the temperature they were sampled at."""
         if not self.offload:
-            lp = mb.logprobs(self.model, temperature)
+            lp = mb.logprobs(self.model)
             fsdp.release(self.model)  # sharded: no backward frees the root's gathered weights
             return lp
         state = {k: v.to(self.device, non_blocking=True) for k, v in self.cpu_state.items()}
-        return mb.logprobs(_Streamed(self.model, state), temperature)
+        return mb.logprobs(_Streamed(self.model, state))
 
-    def fill(self, batches: list, temperature: float, pad: int = 0) -> None:
-        """Every micro-batch's `ref_logp`: its rows' reference log-probs. `pad` extra passes
-        keep a sharded reference's collectives in step with the busiest rank (an offloaded
-        reference is a whole copy: it has none)."""
-        for mb in batches:
-            mb.ref_logp = self.logprobs(mb, temperature)
-        for _ in range(0 if self.offload else pad):
-            self.logprobs(batches[-1], temperature)
+    def logprobs_of(self, traj) -> torch.Tensor:
+        """(B, N) the reference log-probs of a Trajectory's rows, micro-batch by micro-batch
+        (its plan). `traj.pad` extra passes keep a sharded reference's collectives in step
+        with the busiest rank (an offloaded reference is a whole copy: it has none)."""
+        batches = traj.micro_batches()
+        parts = [self.logprobs(mb) for mb in batches]
+        for _ in range(0 if self.offload else traj.pad):
+            self.logprobs(batches[-1])
+        return traj.assemble(parts)
 
 
 class AdaptersOff(Reference):
@@ -80,12 +81,12 @@ class AdaptersOff(Reference):
         self.model, self.offload = model, False
 
     @torch.no_grad()
-    def logprobs(self, mb, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, mb) -> torch.Tensor:
         training = self.model.training
         self.model.eval()
         try:
             with adapters_disabled(self.model):
-                lp = mb.logprobs(self.model, temperature)
+                lp = mb.logprobs(self.model)
         finally:
             self.model.train(training)
         fsdp.release(self.model)

@@ -41,7 +41,7 @@ from .data import shard
 from .engines import Sampling
 from .fields import ConfigError
 from .outputs import LineFile, check_parent, write_file
-from .rollout import score
+from .scoring import score
 from .sft import stage_changes
 
 if TYPE_CHECKING:

@@ -3,8 +3,9 @@
     with setup(cfg) as run:            # train (job.py), benchmark.py
         train_grpo(run)
     with setup(cfg, checkpoint=state, log=False) as run:   # mini-grpo evaluate / rft-generate
-        run.sync_engine()
-        evaluate(run, greedy=True)
+        with run.rank0_with_weights() as main:
+            if main:
+                evaluate(run, greedy=True)
 
 Order: distributed init -> checks that need the world size -> the run directory, claimed and
 locked by rank 0 with every output the run will write there checked (a training run) ->
@@ -15,7 +16,8 @@ GPT from the config's fields, randomly initialised from the seed, identical on e
 with the task's alphabet; shapes checked before anything is allocated) -> length check ->
 precision (with its probe for `auto`) -> the trained form (sharded under fsdp, compiled, DDP
 under torchrun) -> logger (rank 0 of a training run) -> the engine every sampler goes
-through (`Run.sampler`; it serves the weights of its last `Run.sync_engine`).
+through (`Run.sampler`; it serves the weights of its last `Run.sync_engine`, which sends
+them only where they changed).
 The reference policy is frozen later, when GRPO starts from whatever SFT left
 (`Run.freeze_reference`). `close()` undoes it all in reverse.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,8 +117,19 @@ class Run:
 
     def sync_engine(self) -> None:
         """The engine takes the policy's current weights (on every rank: a collective where
-        the engine keeps a copy; nothing to do for the native one). Outside full_params."""
+        the engine keeps a copy; nothing to do for the native one, or where they have not
+        changed since its last sync). Outside full_params."""
         self.engine.sync(self.model)
+
+    @contextmanager
+    def rank0_with_weights(self):
+        """For work rank 0 does with the current policy (evaluation, RFT's data, the export's
+        evaluation): the engine syncs, every rank gathers the full weights (fsdp), and the
+        body runs with True on rank 0 (False elsewhere; the others wait at the next
+        collective)."""
+        self.sync_engine()
+        with fsdp.full_params(self.model):
+            yield self.dist.is_main
 
     @property
     def sharded(self) -> bool:
@@ -215,8 +229,8 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger,
               lora=lora, claim=claim)
     try:  # before any work: a model the engine cannot serve is refused here
-        run.engine = make_engine(run, min(longest + cfg.max_new_tokens, model.cfg.block_size)
-                                 if longest else None)
+        run.engine = make_engine(cfg, model, tok, device, dist, min(
+            longest + cfg.max_new_tokens, model.cfg.block_size) if longest else None)
     except BaseException:
         run.close(failed=True)
         raise

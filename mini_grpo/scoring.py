@@ -6,6 +6,7 @@
     res.total                  # (N,) weighted sum
     res.columns["levenshtein"] # (N,) one plugin, failed rows replaced by on_error
     res.metrics                # reward/<plugin>/{seconds,failures}, reward/seconds
+    res = score(scorer, examples, texts, lengths, max_new_tokens)  # a task's examples
 
 The metrics are the scorer's own health figures only: the trainer computes reward means and
 stds across ranks from `columns` and `total`.
@@ -341,3 +342,13 @@ class RewardScorer:
         if self.is_async[job[0][0]]:
             return self._pool.submit(call_async, args, self.timeout, self.concurrency)
         return self._pool.submit(lambda a: [call(*a)], args[0])
+
+
+def score(scorer, examples: list, texts: list[str], lengths: list[int], max_new_tokens: int):
+    """The scorer's result for completions `texts` of `examples` (one each), whose metadata
+    gets what sampling knows of each completion: `completion_tokens` (its length) and
+    `max_new_tokens` (the cap it may have hit). The trainer, evaluation and RFT score here."""
+    metas = [{**ex.meta, "completion_tokens": int(n), "max_new_tokens": max_new_tokens}
+             for ex, n in zip(examples, lengths)]
+    return scorer.score([ex.prompt for ex in examples], texts, [ex.target for ex in examples],
+                        metas)

@@ -27,8 +27,8 @@ from .data import batch_indices, sft_batch, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .options import keys_with
-from .rollout import plan_micro_batches
 from .state import TrainState
+from .trajectory import plan_micro_batches
 
 if TYPE_CHECKING:
     from .run import Run

@@ -66,9 +66,6 @@ class TrainState:
         self.gen = None if seed is None else \
             torch.Generator(device=run.device).manual_seed(seed)
         self.current_step = 0  # the step being taken; after restore(), the checkpoint's
-        # changes of the weights so far (updates that went through, restores): a rollout
-        # engine with its own copy syncs when this moved (trainer.py)
-        self.weight_version = 0
         self.last_lr = 0.0
         self.grad_norm = torch.zeros(())
 
@@ -101,7 +98,6 @@ class TrainState:
         if ok:
             self.scaler.step(self.opt)
             self.scaler.update()
-            self.weight_version += 1
         else:
             self._skipped()
         self.opt.zero_grad(set_to_none=True)
@@ -129,7 +125,6 @@ class TrainState:
         """The guard's restore rung: the newest checkpoint's weights and optimizer state."""
         path, ckpt = latest_checkpoint(self.directory)
         load_weights(ckpt, self.model, self.opt, source=str(path))
-        self.weight_version += 1
         return str(path)
 
     def _say(self, step: int, message: str) -> None:
@@ -174,7 +169,6 @@ class TrainState:
         in whichever form they were saved), the guard, the loss scale, this rank's RNG and
         the step."""
         load_weights(ckpt, self.model, self.opt, source=source)
-        self.weight_version += 1
         self.guard.load_state_dict(ckpt.get("guard", {}))
         self.scaler = self.precision.scaler(self.guard.amp)  # follows the verdict
         if ckpt.get("scaler") and self.scaler.is_enabled():

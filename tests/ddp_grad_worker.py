@@ -4,7 +4,8 @@ under `torchrun --standalone --nproc_per_node=2` (each rank half the prompts, DD
 For one fixed rollout batch and each case (loss aggregation x reward scaling x passes, on our
 GPT, and two cases on a Llama-family model with an untied head, which the chunked log-prob
 pass uses outside DDP's forward), it computes the gradient with the trainer's own functions
-(advantages with the global normalisers, the micro-batch plan, policy_pass); rank 0 saves
+(the Trajectory's advantages with the global normalisers and its micro-batch plan,
+policy_pass); rank 0 saves
 {case: [grad per parameter]} to argv[1] for the test to compare.
 """
 
@@ -15,9 +16,10 @@ import torch
 
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
+from mini_grpo.engines.base import Rollout, pad_left
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
-from mini_grpo.rollout import Rollout, pad_left
-from mini_grpo.trainer import Trajectory, advantages, policy_pass
+from mini_grpo.trainer import policy_pass
+from mini_grpo.trajectory import Trajectory
 
 PROMPTS, G, N = 4, 4, 12
 
@@ -51,12 +53,10 @@ def take(r: Rollout, rows: slice) -> Rollout:
 
 def gradient(net, r, rewards, ref_lp, cfg) -> None:
     """The trainer's recipe: global normalisers, advantages, passes over micro-batches."""
-    batch = advantages(rewards, r.completion_mask, cfg)
-    traj = Trajectory.of(r, batch, cfg)
-    for mb in traj.batches:
-        mb.ref_logp = ref_lp[mb.rows, :mb.ids.size(1)]
+    traj = Trajectory.of(r, rewards, cfg).replace(ref_logp=ref_lp)
     for _ in range(cfg.num_iterations):
-        policy_pass(net, traj, cfg)
+        _, old = policy_pass(net, traj, cfg)
+        traj = traj.replace(old_logp=old)
 
 
 def main(out_path: str) -> None:

@@ -23,7 +23,8 @@ from mini_grpo.config import load_config
 from mini_grpo.lora import apply_lora
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.optim import make_optimizer
-from mini_grpo.trainer import Trajectory, advantages, policy_pass
+from mini_grpo.trainer import policy_pass
+from mini_grpo.trajectory import Trajectory
 
 
 def build(family: str):
@@ -100,11 +101,9 @@ def main(out_path: str, parallelism: str) -> None:
         for step in range(1, 4):
             r, rewards, ref_lp = make_batch(seed=step)
             r, rewards, ref_lp = take(r, mine), rewards[mine], ref_lp[mine]
-            batch = advantages(rewards, r.completion_mask, cfg, r.finished)
-            traj = Trajectory.of(r, batch, cfg, model)  # fsdp: padded to equal passes
-            for mb in traj.batches:
-                mb.ref_logp = ref_lp[mb.rows, :mb.ids.size(1)]
-            counts.append(len(traj.batches))
+            traj = Trajectory.of(r, rewards, cfg, model)  # fsdp: padded to equal passes
+            traj = traj.replace(ref_logp=ref_lp)
+            counts.append(len(traj.plan))
             policy_pass(net, traj, cfg)
             fsdp.clip_grad_norm(model.parameters(), 1.0)
             opt.step()

@@ -144,7 +144,7 @@ def test_a_resumed_run_keeps_amp_off_and_the_lr_halved(tmp_path, monkeypatch):
 def test_sampling_survives_non_finite_logits_and_reports_them():
     m = tiny_gpt()
     m.lm_head.register_forward_hook(lambda mod, inp, out: out * float("nan"))
-    from mini_grpo.rollout import generate
+    from mini_grpo.engines.native import generate
 
     for greedy in (True, False):
         r = generate(m, [[1, 5, 6], [1, 7]], 6, 2, 0, greedy=greedy,

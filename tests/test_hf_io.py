@@ -10,9 +10,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from mini_grpo.checkpoint import CheckpointError  # noqa: E402
+from mini_grpo.engines.native import generate  # noqa: E402
 from mini_grpo.logprobs import completion_logprobs  # noqa: E402
 from mini_grpo.models.hf import load_hf_model  # noqa: E402
-from mini_grpo.rollout import generate  # noqa: E402
 
 
 def tiny_gpt2(tmp_path, name="gpt2", shard=None, **kw):

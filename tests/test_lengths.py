@@ -6,11 +6,12 @@ from conftest import metrics, tiny
 from ddp_grad_worker import G, make_batch
 
 from mini_grpo.config import load_config
+from mini_grpo.engines.base import Rollout
 from mini_grpo.job import train
 from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.rewards.text import overlong_penalty
-from mini_grpo.rollout import Rollout
-from mini_grpo.trainer import Trajectory, advantages, policy_pass
+from mini_grpo.trainer import policy_pass
+from mini_grpo.trajectory import Trajectory
 
 
 def gradient(r: Rollout, rewards, ref_lp, mask_truncated: bool):
@@ -18,12 +19,9 @@ def gradient(r: Rollout, rewards, ref_lp, mask_truncated: bool):
                              "beta": 0.1, "use_amp": "false", "micro_batch_size": 3}, env={})
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
-    batch = advantages(rewards, r.completion_mask, cfg, r.finished)
-    traj = Trajectory.of(r, batch, cfg)
-    for mb in traj.batches:
-        mb.ref_logp = ref_lp[mb.rows, :mb.ids.size(1)]
+    traj = Trajectory.of(r, rewards, cfg).replace(ref_logp=ref_lp)
     policy_pass(model, traj, cfg)
-    return batch, [p.grad.clone() for p in model.parameters()]
+    return traj, [p.grad.clone() for p in model.parameters()]
 
 
 def test_truncated_rows_carry_no_loss():
@@ -32,9 +30,10 @@ def test_truncated_rows_carry_no_loss():
     finished[[1, 6, 7]] = False  # hand-picked rows that hit max_new_tokens without EOS
     r = Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
                 finished)
-    batch, grads = gradient(r, rewards, ref_lp, mask_truncated=True)
-    assert not batch.cmask[[1, 6, 7]].any() and batch.cmask[0].any()
-    assert batch.num_seqs.item() == len(rewards) - 3
+    traj, grads = gradient(r, rewards, ref_lp, mask_truncated=True)
+    assert not traj.loss_mask[[1, 6, 7]].any() and traj.loss_mask[0].any()
+    assert traj.completion_mask[[1, 6, 7]].any()  # still attended: only the loss leaves them
+    assert traj.num_seqs.item() == len(rewards) - 3
     # anything the truncated rows hold changes nothing
     ids = r.completion_ids.clone()
     ids[[1, 6, 7]] = torch.randint(4, 24, ids[[1, 6, 7]].shape)

@@ -16,10 +16,11 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from mini_grpo.checkpoint import CheckpointError  # noqa: E402
+from mini_grpo.engines.base import pad_left  # noqa: E402
+from mini_grpo.engines.native import generate  # noqa: E402
 from mini_grpo.logprobs import completion_logprobs  # noqa: E402
 from mini_grpo.models import Llama, LlamaConfig, attention_mask, positions  # noqa: E402
 from mini_grpo.models.hf import load_hf_model, save_hf  # noqa: E402
-from mini_grpo.rollout import generate, pad_left  # noqa: E402
 
 V = 100  # vocabulary; token 0 is the pad
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -10,7 +10,7 @@ import mini_grpo.chunked as chunked
 from mini_grpo.logprobs import completion_logprobs
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.reference import Reference
-from mini_grpo.rollout import MicroBatch
+from mini_grpo.trajectory import MicroBatch
 
 
 def models():
@@ -65,9 +65,9 @@ def test_chunked_pass_equals_full_logits(model, monkeypatch):
 @pytest.mark.parametrize("model", list(models()), ids=["gpt-tied", "llama-untied"])
 def test_offloaded_reference_equals_the_resident_one(model):
     pids, pm, cids, cm, index = batch()
-    mb = MicroBatch(torch.arange(cids.size(0)), pids, pm, index, cids, cm)
-    want = Reference(model, torch.device("cpu")).logprobs(mb, 0.7)
-    got = Reference(model, torch.device("cpu"), offload=True).logprobs(mb, 0.7)
+    mb = MicroBatch(torch.arange(cids.size(0)), pids, pm, index, cids, cm, cm, 0.7)
+    want = Reference(model, torch.device("cpu")).logprobs(mb)
+    got = Reference(model, torch.device("cpu"), offload=True).logprobs(mb)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     ref = Reference(model, torch.device("cpu"), offload=True)
     assert ("lm_head.weight" in ref.cpu_state) == (ref.model.tied_head() is None)

@@ -213,19 +213,22 @@ def test_peft_reads_our_adapter_merges_as_we_do_and_we_read_its(lm_dirs, model_t
 def test_the_reference_is_the_base_with_its_adapters_off():
     from ddp_grad_worker import make_batch
 
+    from mini_grpo.config import load_config
     from mini_grpo.reference import AdaptersOff, Reference
-    from mini_grpo.rollout import micro_batches
+    from mini_grpo.trajectory import Trajectory
 
     base = tiny_llama()
     m = copy.deepcopy(base)
     apply_lora(m, r=4, alpha=8, dropout=0.1)
     train_step(m)
     m.train()  # the reference pass runs without dropout whatever the policy's mode
-    r, _, _ = make_batch(seed=0)
-    for mb in micro_batches(r, r.completion_mask, 8, 4):
+    r, rewards, _ = make_batch(seed=0)
+    cfg = load_config(None, {"group_size": 4, "micro_batch_size": 8, "temperature": 1.0},
+                      env={})
+    for mb in Trajectory.of(r, rewards, cfg).micro_batches():
         ref = AdaptersOff(m).logprobs(mb)
         assert torch.equal(ref, Reference(base, torch.device("cpu")).logprobs(mb))
-        assert not torch.allclose(ref, mb.logprobs(m.eval(), 1.0))  # the policy differs
+        assert not torch.allclose(ref, mb.logprobs(m.eval()))  # the policy differs
         m.train()
     assert m.training
 

@@ -8,10 +8,11 @@ import torch
 from ddp_grad_worker import G, make_batch
 
 from mini_grpo.config import load_config
+from mini_grpo.engines.base import Rollout
 from mini_grpo.models import GPT, GPTConfig
-from mini_grpo.rollout import Rollout, plan_micro_batches, row_batches
 from mini_grpo.sft import sft_loss, sft_pass
-from mini_grpo.trainer import Trajectory, advantages, policy_pass
+from mini_grpo.trainer import policy_pass
+from mini_grpo.trajectory import Trajectory, plan_micro_batches, row_batches
 
 
 def rollout(lengths, plen=3):
@@ -35,12 +36,13 @@ def test_a_budget_cuts_micro_batches_before_they_exceed_it():
 def test_row_batches_keep_the_budget_and_whole_groups_where_they_fit():
     # 4 groups of 2 (prompts of 3 tokens), alike within a group
     r, cmask = rollout([2, 2, 3, 3, 5, 5, 9, 9])
-    assert [b.tolist() for b in row_batches(r, cmask, 8, 2)] == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    plan = [b.tolist() for b in row_batches(r.prompt_mask, cmask, 8, 2)]
+    assert plan == [[0, 1, 2, 3, 4, 5, 6, 7]]
     # each group once pushes 3 + 2 x (n - 1) positions: 5, 7, 11, 19
-    plan = [b.tolist() for b in row_batches(r, cmask, 8, 2, budget=19)]
+    plan = [b.tolist() for b in row_batches(r.prompt_mask, cmask, 8, 2, budget=19)]
     assert plan == [[0, 1, 2, 3], [4, 5], [6, 7]]  # 5 + 7 = 12 <= 19, + 11 would be 23
     # a budget no whole group of the longest fits: its rows are split, each alone (3 + 8)
-    plan = [b.tolist() for b in row_batches(r, cmask, 8, 2, budget=12)]
+    plan = [b.tolist() for b in row_batches(r.prompt_mask, cmask, 8, 2, budget=12)]
     assert [6] in plan and [7] in plan
     n, p = cmask.sum(1), r.prompt_mask.sum(1)
     for rows in plan:
@@ -56,9 +58,9 @@ def grads(micro_batch_tokens: int):
                              "micro_batch_tokens": micro_batch_tokens}, env={})
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
-    traj = Trajectory.of(r, advantages(rewards, r.completion_mask, cfg, r.finished), cfg)
+    traj = Trajectory.of(r, rewards, cfg)
     policy_pass(model, traj, cfg)
-    return len(traj.batches), [p.grad for p in model.parameters()]
+    return len(traj.plan), [p.grad for p in model.parameters()]
 
 
 def test_a_budget_leaves_the_policy_gradient_as_it_was():

@@ -4,10 +4,10 @@ sampling on a CPU compute what autocast's bf16 linears compute, and leave nothin
 import pytest
 import torch
 
+from mini_grpo.engines.native import generate
 from mini_grpo.lora import apply_lora
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig, attention_mask
 from mini_grpo.models.packed import PackedLinear, packed, usable
-from mini_grpo.rollout import generate
 
 pytestmark = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
@@ -125,19 +125,19 @@ def test_adapters_off_pack_the_base():
 
 
 def test_generation_on_packed_weights_samples_what_it_did(monkeypatch):
-    """rollout.generate packs under bf16 autocast: greedy tokens equal those of the modules'
+    """native.generate packs under bf16 autocast: greedy tokens equal those of the modules'
     own forward (packing off), and log-probs agree to bf16 rounding."""
-    import mini_grpo.rollout as rollout
+    import mini_grpo.engines.native as native
 
     m = llama()
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [5, 6, 7]]
     seen = []
-    monkeypatch.setattr(rollout, "packed", lambda model, dtype, rows: (
+    monkeypatch.setattr(native, "packed", lambda model, dtype, rows: (
         seen.append((dtype, rows)), packed(model, dtype, rows))[1])
     with torch.autocast("cpu", dtype=BF16):
         fast = generate(m, prompts, 8, eos_id=-1, pad_id=0, greedy=True)
         assert seen == [(BF16, 3)]
-        monkeypatch.setattr(rollout, "packed", lambda model, dtype, rows: packed(model, None))
+        monkeypatch.setattr(native, "packed", lambda model, dtype, rows: packed(model, None))
         plain = generate(m, prompts, 8, eos_id=-1, pad_id=0, greedy=True)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     torch.testing.assert_close(fast.logprobs, plain.logprobs, rtol=0, atol=2e-2)

@@ -1,9 +1,9 @@
 import torch
 from conftest import tiny_gpt
 
+from mini_grpo.engines.native import generate, sample
 from mini_grpo.logprobs import completion_logprobs
 from mini_grpo.models import GPT, GPTConfig
-from mini_grpo.rollout import generate, sample
 from mini_grpo.tokenizer import CharTokenizer
 
 EOS, PAD = 2, 0
@@ -192,7 +192,7 @@ def test_sampling_draws_from_the_tempered_truncated_distribution():
     fixed, so the test is deterministic), with top_k and top_p renormalising over the tokens
     they keep. A wrong sampler misses by far more: plain argmax by 0.52, probabilities
     without the temperature by 0.08 (0.40 against 0.48 for the first token)."""
-    from mini_grpo.rollout import _pick
+    from mini_grpo.engines.native import _pick
 
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
     T, n = 0.7, 20_000

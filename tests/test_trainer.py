@@ -10,9 +10,10 @@ from conftest import events, tiny_gpt
 from conftest import tiny as tiny_config
 
 from mini_grpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from mini_grpo.engines.native import generate
 from mini_grpo.job import train
 from mini_grpo.reference import Reference
-from mini_grpo.rollout import MicroBatch, generate
+from mini_grpo.trajectory import MicroBatch
 
 
 def tiny(tmp_path, name, **kw):
@@ -105,7 +106,8 @@ def test_offloaded_reference_gives_the_same_logprobs():
     m = tiny_gpt()
     r = generate(m, [[1, 5, 6], [1, 7]], 10, 2, 0, generator=torch.Generator().manual_seed(0))
     mb = MicroBatch(torch.arange(2), r.prompt_ids, r.prompt_mask, torch.arange(2),
-                    r.completion_ids, r.completion_mask)
+                    r.completion_ids, r.completion_mask, r.completion_mask,
+                    r.sampling.temperature)
     plain = Reference(m, torch.device("cpu"), offload=False).logprobs(mb)
     offloaded = Reference(m, torch.device("cpu"), offload=True).logprobs(mb)
     torch.testing.assert_close(plain, offloaded, rtol=0, atol=0)
@@ -141,7 +143,7 @@ def test_sft_then_grpo_under_bf16_autocast_runs_and_lowers_the_sft_loss(tmp_path
 
 
 def test_micro_batch_plan_sorts_by_length():
-    from mini_grpo.rollout import plan_micro_batches
+    from mini_grpo.trajectory import plan_micro_batches
 
     lengths = [30, 100, 31, 98, 60, 101, 29, 62, 99, 61, 30, 100]
     plan = plan_micro_batches(lengths, size=4)
@@ -154,7 +156,8 @@ def test_micro_batch_plan_sorts_by_length():
 
 
 def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
-    from mini_grpo.rollout import Rollout, row_batches
+    from mini_grpo.engines.base import Rollout
+    from mini_grpo.trajectory import row_batches
 
     def rollout(lengths, plen=3):
         B = len(lengths)
@@ -167,20 +170,22 @@ def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
     # 4 groups of 2 rows whose completions are alike: whole groups, every prompt once;
     # group 1 is left out (no tokens), group 3 has the longest completions
     r, cmask = rollout([2, 2, 0, 0, 1, 1, 3, 3])
-    assert [b.tolist() for b in row_batches(r, cmask, 4, 2)] == [[4, 5, 0, 1], [6, 7]]
-    assert [b.tolist() for b in row_batches(r, cmask, 3, 2)] == [[4, 5], [0, 1], [6, 7]]
-    assert [b.tolist() for b in row_batches(r, torch.zeros_like(cmask), 4, 2)] == [[0]]
+    assert [b.tolist() for b in row_batches(r.prompt_mask, cmask, 4, 2)] == [[4, 5, 0, 1], [6, 7]]
+    assert [b.tolist() for b in row_batches(r.prompt_mask, cmask, 3, 2)] == [[4, 5], [0, 1], [6, 7]]
+    assert [b.tolist() for b in row_batches(r.prompt_mask, torch.zeros_like(cmask), 4, 2)] == [[0]]
     # one long completion in each group: sorting rows by length pads far less, even though
     # each micro-batch then computes both prompts
     r, cmask = rollout([1, 20, 2, 19, 1, 21, 2, 20])
-    assert [b.tolist() for b in row_batches(r, cmask, 4, 2)] == [[0, 4, 2, 6], [3, 1, 7, 5]]
+    plan = [b.tolist() for b in row_batches(r.prompt_mask, cmask, 4, 2)]
+    assert plan == [[0, 4, 2, 6], [3, 1, 7, 5]]
 
 
 def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     """num_iterations > 1: the old log-probs are the first pass's own, not the ones recorded
     while sampling (other kernels, eval mode), so a policy that has not moved is not clipped."""
     from mini_grpo.models import GPT, GPTConfig
-    from mini_grpo.trainer import Trajectory, advantages, policy_pass
+    from mini_grpo.trainer import policy_pass
+    from mini_grpo.trajectory import Trajectory
 
     cfg = tiny_config(None, num_iterations=2, use_amp=True, amp_dtype="bfloat16",
                       micro_batch_size=4)
@@ -192,21 +197,20 @@ def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     with bf16():
         r = generate(m, prompts, 12, 2, 0, temperature=cfg.temperature,
                      generator=torch.Generator().manual_seed(0))
-    batch = advantages(torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), r.completion_mask, cfg)
-    traj = Trajectory.of(r, batch, cfg)
-    for mb in traj.batches:
-        mb.ref_logp = torch.zeros_like(mb.ids, dtype=torch.float32)
+    traj = Trajectory.of(r, torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), cfg)
+    traj = traj.replace(ref_logp=torch.zeros(r.completion_ids.shape))
     m.train()
     state = SimpleNamespace(autocast=bf16, backward=torch.Tensor.backward)
-    acc = policy_pass(m, traj, cfg, state)
-    tokens = batch.num_tokens.item()
+    acc, old = policy_pass(m, traj, cfg, state)
+    tokens = traj.num_tokens.item()
     assert acc.ratio.item() / tokens == 1.0  # the mean ratio, exactly
     assert acc.clip_low.item() == 0 and acc.clip_high.item() == 0  # nothing clipped
-    first = traj.batches[0]  # the first pass kept its own log-probs as the old ones
-    assert not torch.equal(first.old_logp, first.engine_logp)  # what the old code used differs
-    old = [mb.old_logp for mb in traj.batches]
-    acc2 = policy_pass(m, traj, cfg, state)  # the second pass reuses them
-    assert all(mb.old_logp is o for mb, o in zip(traj.batches, old))
+    assert traj.old_logp is None  # the record is as it was built: the old ones come back
+    mask = traj.loss_mask
+    assert not torch.equal(old[mask], r.logprobs[mask])  # what the old code used differs
+    traj2 = traj.replace(old_logp=old)
+    acc2, again = policy_pass(m, traj2, cfg, state)  # the second pass reuses them
+    assert again is old
     assert acc2.ratio.item() / tokens != 1.0  # dropout: a fresh pass is not the same
 
 

@@ -7,7 +7,6 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,9 +59,7 @@ def server():
 def engine(policy, url, timeout=30):
     model, tok = policy
     cfg = tiny(None, vllm_server_url=url, vllm_server_timeout=timeout)
-    run = SimpleNamespace(cfg=cfg, tok=tok, model=model, device=torch.device("cpu"),
-                          dist=SimpleNamespace(rank=0))
-    return ServerEngine(run)
+    return ServerEngine(cfg, model, tok, torch.device("cpu"), rank=0)
 
 
 def health(policy, **change):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mini_grpo.rollout import generate
+from mini_grpo.engines.native import generate
 
 SECTIONS = ("generation", "rewards", "step")
 

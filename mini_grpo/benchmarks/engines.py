@@ -65,7 +65,8 @@ def bench_engines(cfg, task, repeats: int, step_fn) -> dict:
             from ..engines.vllm import VLLMEngine
 
             t0 = time.perf_counter()
-            engines["vllm"] = VLLMEngine(run, cfg.block_size)
+            engines["vllm"] = VLLMEngine(cfg, run.model, run.tok, run.device, run.dist,
+                                         cfg.block_size)
             load["vllm"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             engines["vllm"].sync(run.model)

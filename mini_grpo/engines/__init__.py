@@ -1,15 +1,17 @@
 """Rollout engines: what samples a GRPO step's completions, behind one interface.
 
-    engine = make_engine(run)                      # rollout_engine: native | vllm
+    engine = make_engine(cfg, model, tok, device, dist)   # rollout_engine: native | vllm
     r = engine.generate(prompts, Sampling(80, temperature=0.7), generator, autocast)
-    engine.sync(run.model)                         # after the weights changed
+    engine.sync(model)                    # serve the current weights (a no-op if unchanged)
 
 `generate` takes prompts as the task gives them (text, or chat messages), encodes them with
-the run's tokenizer as `rollout.sample` does, and returns a Rollout: left-padded prompt ids,
-completion ids and masks (up to and including EOS, any of the tokenizer's `eos_ids`),
+the run's tokenizer as `native.sample` does, and returns a Rollout (base.py): left-padded
+prompt ids, completion ids and masks (up to and including EOS, any of the tokenizer's `eos_ids`),
 `finished`, the decoded `texts`, and `logprobs`, the engine's own log-prob of each sampled
-token. Sampling options mean the same in every engine. The trainer never knows which one
-runs; it calls `sync` whenever an update (or a restore) changed the policy's weights.
+token, and the `Sampling` it was drawn with. Sampling options mean the same in every engine.
+The trainer never knows which one runs; it calls `sync` (Run.sync_engine) before every
+rollout, and an engine with a copy of the weights sends them only where they changed since
+its last sync (base.WeightsSeen).
 
 - native (native.py): our batched, KV-cached sampler on the policy itself; `sync` has nothing
   to do. Its log-probs are log_softmax(logits / temperature), before top-k/top-p.
@@ -22,14 +24,9 @@ runs; it calls `sync` whenever an update (or a restore) changed the policy's wei
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from .base import Engine, EngineError, Rollout, Sampling
 
-from .base import Engine, EngineError, Sampling
-
-if TYPE_CHECKING:
-    from ..run import Run
-
-__all__ = ["Engine", "EngineError", "Sampling", "check_engine", "make_engine"]
+__all__ = ["Engine", "EngineError", "Rollout", "Sampling", "check_engine", "make_engine"]
 
 
 def check_engine(cfg, device) -> None:
@@ -41,19 +38,19 @@ def check_engine(cfg, device) -> None:
                           "it needs a GPU (this run is on the CPU)")
 
 
-def make_engine(run: Run, max_len: int | None = None) -> Engine:
-    """The engine `run.cfg.rollout_engine` names, for `run.model`; `max_len`: the longest
+def make_engine(cfg, model, tok, device, dist, max_len: int | None = None) -> Engine:
+    """The engine `cfg.rollout_engine` names, for the policy `model` and its tokenizer `tok`,
+    on this rank's `device` (`dist`: the run's distributed.DistInfo); `max_len`: the longest
     prompt + completion it must hold (default: the model's block size). A model the engine
     cannot serve is a ConfigError here, at the start, not in the first step."""
-    cfg = run.cfg
     if cfg.rollout_engine == "vllm" and cfg.vllm_mode == "server":
         from .client import ServerEngine
 
-        return ServerEngine(run)
+        return ServerEngine(cfg, model, tok, device, dist.rank)
     if cfg.rollout_engine == "vllm":
         from .vllm import VLLMEngine
 
-        return VLLMEngine(run, max_len)
+        return VLLMEngine(cfg, model, tok, device, dist, max_len)
     from .native import NativeEngine
 
-    return NativeEngine(run.model, run.tok, cfg.kv_cache)
+    return NativeEngine(model, tok, cfg.kv_cache)

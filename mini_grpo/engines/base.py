@@ -1,15 +1,15 @@
-"""The engine interface: Sampling (how to sample), Engine (what an engine offers) and
-EngineError; a leaf module, so that every engine imports it and the package imports them."""
+"""The engine interface: Sampling (how to sample), Rollout (what an engine returns), Engine
+(what an engine offers), EngineError and WeightsSeen; a leaf module, so that every engine
+imports it and the package imports them."""
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from ..rollout import Rollout
 
 
 class EngineError(RuntimeError):
@@ -31,6 +31,57 @@ class Sampling:
         return cls(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, greedy)
 
 
+class WeightsSeen:
+    """Which weights an engine with its own copy holds: the policy's parameters, each with
+    its in-place version counter, as they were at the engine's last sync. Every write to a
+    weight moves its counter (a restore's copy, load_state_dict; under fsdp the sharded
+    DTensor's own; an optimizer step of optim.make_optimizer's, whose fused kernel alone
+    would not), and a replaced parameter is another tensor, so a sync with unchanged weights
+    is known to have nothing to send."""
+
+    def __init__(self):
+        self.seen: list[tuple[weakref.ref, int]] | None = None
+
+    def changed(self, model: torch.nn.Module) -> bool:
+        params = list(model.parameters())
+        return self.seen is None or len(params) != len(self.seen) or any(
+            ref() is not p or version != p._version
+            for (ref, version), p in zip(self.seen, params))
+
+    def mark(self, model: torch.nn.Module) -> None:
+        self.seen = [(weakref.ref(p), p._version) for p in model.parameters()]
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (B, P) left-padded with pad_id
+    prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
+    completion_ids: torch.Tensor  # (B, N) pad_id after each row's EOS
+    completion_mask: torch.Tensor  # (B, N) bool, True up to and including EOS
+    logprobs: torch.Tensor  # (B, N) fp32 log-prob of each sampled token, 0 where masked
+    finished: torch.Tensor  # (B,) bool, the row emitted EOS (else it hit max_new_tokens)
+    texts: list[str] | None = None  # decoded completions, without EOS
+    nonfinite: torch.Tensor | None = None  # 0-d bool: some logits were NaN/Inf while sampling
+    sampling: Sampling | None = None  # how it was drawn (every engine says): re-scoring
+    # uses its temperature
+
+    def lengths(self) -> list[int]:
+        """Each completion's length in tokens (EOS included)."""
+        return self.completion_mask.sum(1).tolist()
+
+
+def pad_left(seqs: list[list[int]], pad_id: int, device=None):
+    """list of id lists -> (ids (B, P), mask (B, P) bool), right-aligned."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, P - len(s):] = True
+    return ids.to(device), mask.to(device)
+
+
 class Engine(Protocol):
     name: str
     # whether one rank may generate while the others do not (no collective in generate):
@@ -45,7 +96,9 @@ class Engine(Protocol):
         ...
 
     def sync(self, model: torch.nn.Module) -> None:
-        """Serve `model`'s current weights from now on (a collective under fsdp)."""
+        """Serve `model`'s current weights from now on (a collective under fsdp, on every
+        rank alike); nothing to do where they have not changed since the last sync
+        (WeightsSeen)."""
         ...
 
     def close(self) -> None:

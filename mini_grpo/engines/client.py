@@ -25,7 +25,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,12 +34,8 @@ from ..fields import ConfigError
 from ..jsonio import check_tree
 from ..lora import merged
 from ..models.hf import hf_tensors
-from ..rollout import Rollout
-from .base import EngineError
-from .vllm import check_servable, engine_config, row_seeds, sampling_options, to_rollout
-
-if TYPE_CHECKING:
-    from ..run import Run
+from .base import EngineError, Rollout, WeightsSeen
+from .protocol import check_servable, engine_config, row_seeds, sampling_options, to_rollout
 
 # what must agree between the policy and the server's model
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
@@ -79,12 +74,11 @@ class ServerEngine:
     name = "vllm"
     alone = True  # every rank sends its own requests
 
-    def __init__(self, run: Run):
-        cfg = run.cfg
-        check_servable(run.tok)
+    def __init__(self, cfg, model, tok, device: torch.device, rank: int):
+        check_servable(tok)
         self.url, self.timeout = cfg.vllm_server_url.rstrip("/"), cfg.vllm_server_timeout
-        self.tok, self.device, self.rank = run.tok, run.device, run.dist.rank
-        self.group = None
+        self.tok, self.device, self.rank = tok, device, rank
+        self.group, self.weights = None, WeightsSeen()
         try:
             info = self._call("GET", "/health")
         except EngineError as e:
@@ -98,15 +92,15 @@ class ServerEngine:
             raise bad(f"dtype {repr(info.get('dtype'))[:40]}, not one of {', '.join(DTYPES)}")
         if info.get("device") not in ("cpu", "cuda"):
             raise bad(f"device {repr(info.get('device'))[:40]}")
-        ours, theirs = shapes(engine_config(run.model, torch.float32)), shapes(info["config"])
+        ours, theirs = shapes(engine_config(model, torch.float32)), shapes(info["config"])
         for key in SHAPE_KEYS:
             if ours[key] != theirs[key]:
                 raise ConfigError(f"vllm_server_url: the server at {self.url} serves another "
                                   f"model ({key} {str(theirs[key])[:40]!r}, the policy's "
                                   f"{ours[key]!r})")
         self.dtype = getattr(torch, info["dtype"])
-        self.nccl = info["device"] == "cuda" and run.device.type == "cuda"
-        self.vocab = run.model.cfg.vocab_size
+        self.nccl = info["device"] == "cuda" and device.type == "cuda"
+        self.vocab = model.cfg.vocab_size
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         """The server's JSON object for one request, within `vllm_server_timeout` for the
@@ -184,18 +178,22 @@ class ServerEngine:
             "seeds": row_seeds(len(enc), generator)})
         try:
             check_rollout(out, len(enc), self.vocab, sampling.max_new_tokens)
-            return to_rollout(self.tok, enc, out["token_ids"], out["logprobs"], self.device)
+            return to_rollout(self.tok, enc, out["token_ids"], out["logprobs"], self.device,
+                              sampling)
         except (KeyError, TypeError, ValueError) as e:
             raise EngineError(f"the vLLM server at {self.url} sent a bad rollout: {e}") \
                 from None
 
     def sync(self, model) -> None:
+        if not self.weights.changed(model):
+            return
         if self.rank == 0:
             self._push(model)
         elif fsdp.is_sharded(model):  # the gathers are collectives: every rank takes part
             for _ in fsdp.full_tensors(model):
                 pass
         D.barrier()  # no rank samples before the server has the new weights
+        self.weights.mark(model)
 
     def _push(self, model) -> None:
         if self.group is None:

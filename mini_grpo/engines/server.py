@@ -42,16 +42,8 @@ from ..checkpoint import CheckpointError
 from ..fields import ArgParser, ConfigError
 from ..jsonio import check_tree
 from ..models.hf import hf_spec, read_config
-from .vllm import (
-    _summary,
-    build_llm,
-    complete,
-    engine_config,
-    engine_dtype,
-    import_vllm,
-    reload,
-    shutdown,
-)
+from .protocol import complete, engine_config
+from .vllm import _summary, build_llm, engine_dtype, import_vllm, reload, shutdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BODY = 1 << 30  # a generate request of 1 GiB of JSON is more than any step sends

@@ -34,7 +34,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,12 +41,16 @@ from .. import distributed as D
 from .. import fsdp
 from ..fields import ConfigError
 from ..lora import merged
-from ..models.hf import export_config, hf_tensors
-from ..rollout import Rollout, pad_left
-from ..tokenizer import HFTokenizer
-
-if TYPE_CHECKING:
-    from ..run import Run
+from ..models.hf import hf_tensors
+from .base import Rollout, WeightsSeen
+from .protocol import (
+    check_servable,
+    complete,
+    engine_config,
+    row_seeds,
+    sampling_options,
+    to_rollout,
+)
 
 MIN_KV_BYTES = 64 << 20
 
@@ -86,21 +89,6 @@ def kv_cache_bytes(model, rows: int, max_len: int, dtype: torch.dtype) -> int:
     return max(MIN_KV_BYTES, int(rows * (max_len + 16) * per_token * 1.25))
 
 
-def check_servable(tok) -> None:
-    """vLLM serves Hugging Face models: a ConfigError for our character-level GPT."""
-    if not isinstance(tok, HFTokenizer):
-        raise ConfigError("rollout_engine: vllm serves Hugging Face models: set init_from "
-                          "to a model directory (this run's policy is our character-level "
-                          "GPT, whose tokenizer vLLM cannot load)")
-
-
-def engine_config(model, dtype: torch.dtype) -> dict:
-    """config.json for the engine: the model's, in `dtype`, its LM head untied (vLLM 0.32's
-    in-place reload leaves a tied head on its old weights, so the engine holds the head as a
-    weight of its own, sent like any other)."""
-    return {**export_config(model, dtype), "tie_word_embeddings": False}
-
-
 def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, seed: int,
               max_len: int | None, load_format: str = "dummy", kv_bytes: int = 0,
               gpu_memory_utilization: float = 0.9, external_launcher: bool = False,
@@ -134,54 +122,6 @@ def build_llm(vllm, model_dir: str, dtype: torch.dtype, device: torch.device, se
     return llm
 
 
-def sampling_options(sampling, eos_ids: list[int]) -> dict:
-    """SamplingParams' keywords for our Sampling (JSON, for the server too); a seed per row
-    is added by `complete`."""
-    return {"temperature": 0.0 if sampling.greedy else sampling.temperature,
-            "top_k": sampling.top_k or -1, "top_p": sampling.top_p,
-            "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(eos_ids),
-            "logprobs": 0, "detokenize": False}
-
-
-def complete(llm, SamplingParams, prompts: list[list[int]], options: dict, seeds: list[int]):
-    """One request per row -> (token ids, their log-probs) per row."""
-    params = [SamplingParams(**options, seed=int(s)) for s in seeds]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    toks = [list(o.outputs[0].token_ids) for o in outs]
-    lps = [[d[t].logprob for t, d in zip(ts, o.outputs[0].logprobs)]
-           for ts, o in zip(toks, outs)]
-    return toks, lps
-
-
-def row_seeds(n: int, generator) -> list[int]:
-    """A seed per row from the run's sampling RNG: the same config gives the same run."""
-    device = generator.device if generator is not None else "cpu"
-    return torch.randint(2**31 - 1, (n,), generator=generator, device=device).tolist()
-
-
-def to_rollout(tok, prompts: list[list[int]], toks: list[list[int]], lps: list[list[float]],
-               device) -> Rollout:
-    """An engine's token ids and log-probs per row -> Rollout (texts by our tokenizer)."""
-    B, pad, eos = len(prompts), tok.pad_id, set(tok.eos_ids)
-    N = max(1, max(len(t) for t in toks))
-    ids = torch.full((B, N), pad, dtype=torch.long)
-    mask = torch.zeros((B, N), dtype=torch.bool)
-    lp = torch.zeros((B, N), dtype=torch.float32)
-    finished = torch.zeros(B, dtype=torch.bool)
-    for i, (t, l) in enumerate(zip(toks, lps)):
-        if len(t) != len(l) or len(t) > N:
-            raise ValueError(f"row {i}: {len(t)} tokens but {len(l)} log-probs")
-        ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        mask[i, :len(t)] = True
-        lp[i, :len(t)] = torch.tensor(l, dtype=torch.float32)
-        finished[i] = bool(t) and t[-1] in eos
-    pids, pmask = pad_left(prompts, pad, device)
-    r = Rollout(pids, pmask, ids.to(device), mask.to(device), lp.to(device),
-                finished.to(device), nonfinite=~torch.isfinite(lp).all().to(device))
-    r.texts = [tok.decode(row) for row in ids.tolist()]
-    return r
-
-
 def reload(llm, weights) -> None:
     """Every weight from `weights` ((Hugging Face name, tensor), consumed one at a time) into
     the engine, in place; then the prefix cache is cleared, since prompt keys and values
@@ -201,34 +141,34 @@ def shutdown(llm) -> None:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, run: Run, max_len: int | None = None):
-        cfg, model, tok = run.cfg, run.model, run.tok
-        tp, world = cfg.vllm_tensor_parallel_size, run.dist.world_size
+    def __init__(self, cfg, model, tok, device: torch.device, dist, max_len: int | None = None):
+        """`dist`: the run's distributed.DistInfo (rank, world size)."""
+        tp, world = cfg.vllm_tensor_parallel_size, dist.world_size
         if world % tp:
             raise ConfigError(f"vllm_tensor_parallel_size: {tp} does not divide the {world} "
                               f"processes")
         check_servable(tok)
         vllm = import_vllm()
-        self.tok, self.device, self.llm = tok, run.device, None
+        self.tok, self.device, self.llm, self.weights = tok, device, None, WeightsSeen()
         self.sleep, self.asleep = cfg.vllm_sleep, False
         # the ranks of one engine: they sample all their prompts together, each keeps its own
         self.group = D.consecutive_groups(tp)
         self.alone = self.group is None  # tensor parallel: the group generates together
-        self.dtype = engine_dtype(cfg.vllm_dtype, run.device)
+        self.dtype = engine_dtype(cfg.vllm_dtype, device)
         self.SamplingParams = vllm.SamplingParams
         max_len = max_len or model.cfg.block_size
         rows = -(-cfg.prompts_per_step // world) * cfg.group_size * tp
         kv = int(cfg.vllm_kv_cache_gib * 2**30) if cfg.vllm_kv_cache_gib else \
-            kv_cache_bytes(model, rows, max_len, self.dtype) if run.device.type == "cpu" else 0
+            kv_cache_bytes(model, rows, max_len, self.dtype) if device.type == "cpu" else 0
         self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_"))
         (self.dir / "config.json").write_text(json.dumps(engine_config(model, self.dtype)))
-        self.shm = tp > 1 and run.device.type == "cpu"
+        self.shm = tp > 1 and device.type == "cpu"
         if self.shm:
             _remove_cpu_shm()
             D.barrier()  # no rank creates its segment before every rank removed the old ones
         try:
-            self.llm = build_llm(vllm, self.dir, self.dtype, run.device,
-                                 cfg.seed + run.dist.rank // tp, max_len, kv_bytes=kv,
+            self.llm = build_llm(vllm, self.dir, self.dtype, device,
+                                 cfg.seed + dist.rank // tp, max_len, kv_bytes=kv,
                                  gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                                  external_launcher=world > 1, sleep=self.sleep,
                                  tensor_parallel_size=tp)
@@ -254,12 +194,15 @@ class VLLMEngine:
         if self.sleep:  # level 1: weights to CPU memory, KV cache freed, until the next wake
             self.llm.sleep(level=1)
             self.asleep = True
-        return to_rollout(self.tok, enc, toks, lps, self.device)
+        return to_rollout(self.tok, enc, toks, lps, self.device, sampling)
 
     def sync(self, model) -> None:
+        if not self.weights.changed(model):
+            return
         self._wake()  # the rollout follows at once: it stays awake
         weights = merged(model, fsdp.full_tensors(model))  # LoRA: folded in, as exported
         reload(self.llm, hf_tensors(model, weights, self.dtype, head=True))
+        self.weights.mark(model)
 
     def _wake(self) -> None:
         if self.asleep:
