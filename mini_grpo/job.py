@@ -70,11 +70,13 @@ def train(cfg) -> dict:
             amp = run_rft(run, amp)
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
-            with run.rank0_with_weights() as main:
-                if main:
-                    result = before_grpo(run, resume, amp, result)
-            if resume is not None:
+            if resume is not None:  # its evaluations are in eval.json: nothing to sample
+                result = {**result, **saved_evals(run)} if run.dist.is_main else {}
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
+            else:
+                with run.rank0_with_weights() as main:
+                    if main:
+                        result = before_grpo(run, amp, result)
             amp = train_grpo(run, resume, amp).guard.amp
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
         with run.rank0_with_weights() as main:  # the final evaluation: the final weights
@@ -184,12 +186,10 @@ def check_resume(run: Run, state: dict, path: str) -> list[str]:
             if k not in ("resume", "out_dir") and saved.get(k) != v]
 
 
-def before_grpo(run: Run, resume: dict | None, amp: bool, result: dict) -> dict:
-    """The evaluation GRPO starts from ("before"; "rft" after an RFT stage, `result` holding
-    the one before it): computed on a fresh start, kept from eval.json on resume. Rank 0."""
+def before_grpo(run: Run, amp: bool, result: dict) -> dict:
+    """The evaluation a fresh GRPO stage starts from ("before"; "rft" after an RFT stage,
+    `result` holding the one before it), written to eval.json at once. Rank 0."""
     name = "rft" if "before" in result else "before"
-    if resume is not None:
-        return {**result, **saved_evals(run)}
     result = {**result, name: eval_both(run, 0, amp)}
     write_file(Path(run.cfg.out_dir) / "eval.json", json.dumps(result, indent=2))
     return result

@@ -16,8 +16,9 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
     per-parameter loop (no foreach), the slow baseline benchmark.py compares against.
 
     Every step that goes through moves its parameters' version counters, as any in-place
-    write does: the fused kernel alone does not (torch 2.13), and an engine that keeps a
-    copy of the weights tells by them whether it has something to sync (engines.WeightsSeen).
+    op does: the fused kernel alone does not (torch 2.13), and an engine that keeps a copy
+    of the weights tells by them whether it has something to sync (engines.WeightsSeen). A
+    step the fp16 GradScaler skipped inside the fused kernel (`found_inf`) moves none.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -33,7 +34,12 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
 
 
 def _written(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    increment_version([p for g in opt.param_groups for p in g["params"]])
+    found_inf = getattr(opt, "found_inf", None)  # set by GradScaler for the fused kernel
+    if found_inf is not None and bool(found_inf):
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            increment_version(p)  # one at a time: a list needs torch >= 2.5
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

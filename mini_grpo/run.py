@@ -3,9 +3,11 @@
     with setup(cfg) as run:            # train (job.py), benchmark.py
         train_grpo(run)
     with setup(cfg, checkpoint=state, log=False) as run:   # mini-grpo evaluate / rft-generate
-        with run.rank0_with_weights() as main:
-            if main:
-                evaluate(run, greedy=True)
+        run.sync_engine()
+        evaluate(run, greedy=True)
+    with run.rank0_with_weights() as main:         # the job's evaluations: rank 0 samples
+        if main:
+            evaluate(run, greedy=True)
 
 Order: distributed init -> checks that need the world size -> the run directory, claimed and
 locked by rank 0 with every output the run will write there checked (a training run) ->
@@ -123,9 +125,9 @@ class Run:
 
     @contextmanager
     def rank0_with_weights(self):
-        """For work rank 0 does with the current policy (evaluation, RFT's data, the export's
-        evaluation): the engine syncs, every rank gathers the full weights (fsdp), and the
-        body runs with True on rank 0 (False elsewhere; the others wait at the next
+        """For work rank 0 does with the current policy (the job's evaluations, before and
+        after GRPO and in it): the engine syncs, every rank gathers the full weights (fsdp),
+        and the body runs with True on rank 0 (False elsewhere; the others wait at the next
         collective)."""
         self.sync_engine()
         with fsdp.full_params(self.model):

@@ -3,7 +3,7 @@ GRPOTrajectory). The reference pass, every policy pass, the loss and the metrics
 
     traj = Trajectory.of(rollout, rewards, cfg, model)     # advantages, normalisers, the plan
     traj = traj.replace(ref_logp=reference.logprobs_of(traj))    # a new record, (B, N)
-    for mb in traj.micro_batches(): ...                     # views: slices of the record
+    for mb in traj.micro_batches(): ...                     # its rows, cut from the record
 
 It holds the rollout's tokens and masks (the completion mask says which tokens are attended,
 the loss mask which of them carry loss), the engine's log-probs and the `Sampling` they were
@@ -59,7 +59,8 @@ class Cut(NamedTuple):
 @dataclass(frozen=True, eq=False)
 class MicroBatch:
     """Rows of a trajectory that go through the model together, each distinct prompt once, cut
-    to the columns that hold a real token; a view of the record (Trajectory.micro_batches)."""
+    to the columns they need; cut from the record (Trajectory.micro_batches), never written
+    back."""
     rows: torch.Tensor  # (b,) the trajectory's rows
     prompt_ids: torch.Tensor  # (U, P') the distinct prompts of these rows, left-padded
     prompt_mask: torch.Tensor  # (U, P') bool
@@ -138,14 +139,16 @@ class Trajectory:
         mean = s1 / n
         std = (s2 / n - mean**2).clamp(min=0).sqrt()
         adv = group_advantages(rewards, G, cfg.scale_rewards, batch_std=std)
-        plan = tuple(cut(rows, r.completion_mask, r.prompt_mask, G) for rows in row_batches(
+        plan = tuple(cut(rows, loss_mask, r.prompt_mask, G) for rows in row_batches(
             r.prompt_mask, loss_mask, cfg.micro_batch_size, G, cfg.micro_batch_tokens))
         pad = 0 if model is None else fsdp.pad_passes(model, len(plan), rewards.device)
         nonfinite = r.nonfinite if r.nonfinite is not None else \
             torch.zeros((), dtype=torch.bool, device=rewards.device)
-        sampling = r.sampling or Sampling.of(cfg)  # a Rollout built by hand (tests)
+        if r.sampling is None:  # re-scoring must use what sampling used, not a guess
+            raise ValueError("Trajectory.of: the rollout does not say how it was sampled "
+                             "(Rollout.sampling); every engine sets it")
         return cls(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, loss_mask,
-                   r.finished, r.logprobs, nonfinite, sampling, G, rewards, adv, zero, n,
+                   r.finished, r.logprobs, nonfinite, r.sampling, G, rewards, adv, zero, n,
                    seqs.clamp(min=1), tokens.clamp(min=1), mean, std, plan, pad)
 
     def replace(self, **changes) -> Trajectory:
@@ -153,7 +156,7 @@ class Trajectory:
         return dataclasses.replace(self, **changes)
 
     def micro_batches(self) -> list[MicroBatch]:
-        """The plan's micro-batches, each a view of its rows."""
+        """The plan's micro-batches, each its rows cut from the record (copies)."""
         return [self.micro_batch(c) for c in self.plan]
 
     def micro_batch(self, c: Cut) -> MicroBatch:
@@ -179,11 +182,19 @@ class Trajectory:
         return out
 
 
-def cut(rows: torch.Tensor, completion_mask: torch.Tensor, prompt_mask: torch.Tensor,
+def extent(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's last True column + 1 (0: none): the columns a pass must hold to reach
+    every token of the row that carries loss (the tokens after it change no loss)."""
+    cols = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    return (mask.long() * cols).amax(1) if mask.size(1) else mask.sum(1)
+
+
+def cut(rows: torch.Tensor, loss_mask: torch.Tensor, prompt_mask: torch.Tensor,
         group: int) -> Cut:
-    """The Cut of `rows`: as many completion columns as its longest completion, and its
-    prompts from their first real column."""
-    width = max(1, int(completion_mask[rows].sum(1).max()))
+    """The Cut of `rows`: as many completion columns as reach their last token with loss (at
+    least one: a row kept only so that every rank runs a backward costs one column), and
+    their prompts from their first real column."""
+    width = max(1, int(extent(loss_mask[rows]).max()))
     first = int(prompt_mask[(rows // group) * group].any(0).int().argmax())
     return Cut(rows, width, first)
 
@@ -205,7 +216,7 @@ def row_batches(prompt_mask: torch.Tensor, cmask: torch.Tensor, size: int, group
     out by dynamic sampling) carry no loss and are skipped, but one is always kept so every
     rank runs a backward (DDP's all-reduce).
     """
-    n = cmask.sum(1).tolist()
+    n = extent(cmask).tolist()
     p = prompt_mask.sum(1).tolist()
     live = [i for i, k in enumerate(n) if k] or [0]
     groups: dict[int, list[int]] = {}

@@ -16,7 +16,7 @@ import torch
 
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
-from mini_grpo.engines.base import Rollout, pad_left
+from mini_grpo.engines.base import Rollout, Sampling, pad_left
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory
@@ -42,13 +42,15 @@ def make_batch(seed: int):
     ref_lp = (-torch.rand(B, N, generator=g) * 3).masked_fill(~cmask, 0)
     rewards = torch.rand(B, generator=g)
     rewards[:G] = 0.5  # one zero-spread group
-    r = Rollout(pids, pmask, cids, cmask, old_lp, torch.ones(B, dtype=torch.bool))
+    r = Rollout(pids, pmask, cids, cmask, old_lp, torch.ones(B, dtype=torch.bool),
+                sampling=Sampling(N, temperature=0.7))
     return r, rewards, ref_lp
 
 
 def take(r: Rollout, rows: slice) -> Rollout:
     return Rollout(r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
-                   r.completion_mask[rows], r.logprobs[rows], r.finished[rows])
+                   r.completion_mask[rows], r.logprobs[rows], r.finished[rows],
+                   sampling=r.sampling)
 
 
 def gradient(net, r, rewards, ref_lp, cfg) -> None:

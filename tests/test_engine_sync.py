@@ -65,6 +65,7 @@ def test_vllm_sync_sends_only_changed_weights():
     engine = object.__new__(VLLMEngine)  # no vLLM started: only what sync uses
     engine.llm, engine.asleep, engine.dtype, engine.weights = FakeLLM(), False, \
         torch.float32, WeightsSeen()
+    engine.device = torch.device("cpu")
     engine.sync(m)
     engine.sync(m)
     assert engine.llm.reloads == 1
@@ -78,6 +79,7 @@ def test_vllm_sync_sends_only_changed_weights():
 def test_server_sync_sends_only_changed_weights(monkeypatch):
     engine = object.__new__(ServerEngine)
     engine.rank, engine.weights, pushes = 0, WeightsSeen(), []
+    engine.device = torch.device("cpu")
     monkeypatch.setattr(engine, "_push", lambda model: pushes.append(1), raising=False)
     m = tiny_gpt()
     engine.sync(m)
@@ -124,3 +126,23 @@ def test_rank0_with_weights_syncs_and_says_which_rank_works():
                           dist=SimpleNamespace(is_main=True))
     with run_module.Run.rank0_with_weights(run) as main:
         assert main and synced == [1]
+
+
+def test_a_step_the_fp16_scaler_skips_moves_no_version():
+    """GradScaler hands the fused kernel `found_inf`, and the kernel skips the update: the
+    weights did not change, so an engine has nothing to sync."""
+    m = tiny_gpt()
+    opt = make_optimizer(m, 1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    seen = WeightsSeen()
+    seen.mark(m)
+    scaler.scale(m(torch.tensor([[1, 2, 3]])).float().sum() * float("inf")).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    assert not seen.changed(m)
+    opt.zero_grad()
+    scaler.update()
+    scaler.scale(m(torch.tensor([[1, 2, 3]])).float().sum()).backward()
+    scaler.step(opt)
+    assert seen.changed(m)

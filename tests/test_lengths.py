@@ -29,7 +29,7 @@ def test_truncated_rows_carry_no_loss():
     finished = torch.ones_like(r.finished)
     finished[[1, 6, 7]] = False  # hand-picked rows that hit max_new_tokens without EOS
     r = Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
-                finished)
+                finished, sampling=r.sampling)
     traj, grads = gradient(r, rewards, ref_lp, mask_truncated=True)
     assert not traj.loss_mask[[1, 6, 7]].any() and traj.loss_mask[0].any()
     assert traj.completion_mask[[1, 6, 7]].any()  # still attended: only the loss leaves them
@@ -37,7 +37,8 @@ def test_truncated_rows_carry_no_loss():
     # anything the truncated rows hold changes nothing
     ids = r.completion_ids.clone()
     ids[[1, 6, 7]] = torch.randint(4, 24, ids[[1, 6, 7]].shape)
-    other = Rollout(r.prompt_ids, r.prompt_mask, ids, r.completion_mask, r.logprobs, finished)
+    other = Rollout(r.prompt_ids, r.prompt_mask, ids, r.completion_mask, r.logprobs, finished,
+                    sampling=r.sampling)
     _, same = gradient(other, rewards, ref_lp, mask_truncated=True)
     assert all(torch.equal(a, b) for a, b in zip(grads, same))
     # without the switch they do count
@@ -59,3 +60,16 @@ def test_the_step_logs_the_truncated_fraction(tmp_path):
     # 4 tokens cannot hold a FEN: nearly every row is cut off, and penalised by the plugin
     assert row["truncated_frac"] > 0.5
     assert row["reward/overlong_penalty/mean"] < -0.5
+
+
+def test_a_step_whose_rows_all_carry_no_loss_still_runs_one_cheap_pass():
+    """Every row cut off under mask_truncated: one row is kept so that every rank runs a
+    backward, and it costs one completion column, not its whole completion."""
+    r, rewards, _ = make_batch(seed=5)  # row 0: 10 tokens
+    r = Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
+                torch.zeros_like(r.finished), sampling=r.sampling)
+    cfg = load_config(None, {"mask_truncated": "true", "group_size": G}, env={})
+    traj = Trajectory.of(r, rewards, cfg)
+    assert not traj.loss_mask.any()
+    assert [(c.rows.tolist(), c.width) for c in traj.plan] == [([0], 1)]
+    assert int(r.completion_mask[0].sum()) == 10

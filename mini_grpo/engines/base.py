@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from .. import distributed as D
+
 
 class EngineError(RuntimeError):
     """An engine that failed mid-run (a server gone): the run ends with one line, exit 1."""
@@ -33,11 +35,13 @@ class Sampling:
 
 class WeightsSeen:
     """Which weights an engine with its own copy holds: the policy's parameters, each with
-    its in-place version counter, as they were at the engine's last sync. Every write to a
-    weight moves its counter (a restore's copy, load_state_dict; under fsdp the sharded
-    DTensor's own; an optimizer step of optim.make_optimizer's, whose fused kernel alone
-    would not), and a replaced parameter is another tensor, so a sync with unchanged weights
-    is known to have nothing to send."""
+    its in-place version counter, as they were at the engine's last sync. In-place ops move
+    the counter (a restore's copy_, load_state_dict; under fsdp the sharded DTensor's own;
+    an optimizer step of optim.make_optimizer's, whose fused kernel alone would not), and a
+    replaced parameter is another tensor, so a sync with unchanged weights is known to have
+    nothing to send. Writes that bypass the counter (`p.data = ...`, `p.data.copy_(...)`)
+    must not touch a policy whose engine keeps a copy (LoRA's store_base_in runs before the
+    engine exists)."""
 
     def __init__(self):
         self.seen: list[tuple[weakref.ref, int]] | None = None
@@ -47,6 +51,12 @@ class WeightsSeen:
         return self.seen is None or len(params) != len(self.seen) or any(
             ref() is not p or version != p._version
             for (ref, version), p in zip(self.seen, params))
+
+    def changed_anywhere(self, model: torch.nn.Module, device: torch.device) -> bool:
+        """`changed` on any rank (a collective): a sync is one (fsdp's gathers, the server's
+        barrier), so no rank may skip it alone."""
+        flag = torch.tensor([float(self.changed(model))], device=device)
+        return bool(D.all_reduce_max(flag).item())
 
     def mark(self, model: torch.nn.Module) -> None:
         self.seen = [(weakref.ref(p), p._version) for p in model.parameters()]

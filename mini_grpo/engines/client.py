@@ -185,7 +185,7 @@ class ServerEngine:
                 from None
 
     def sync(self, model) -> None:
-        if not self.weights.changed(model):
+        if not self.weights.changed_anywhere(model, self.device):
             return
         if self.rank == 0:
             self._push(model)

@@ -197,7 +197,7 @@ class VLLMEngine:
         return to_rollout(self.tok, enc, toks, lps, self.device, sampling)
 
     def sync(self, model) -> None:
-        if not self.weights.changed(model):
+        if not self.weights.changed_anywhere(model, self.device):
             return
         self._wake()  # the rollout follows at once: it stays awake
         weights = merged(model, fsdp.full_tensors(model))  # LoRA: folded in, as exported
