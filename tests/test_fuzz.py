@@ -586,3 +586,49 @@ def test_training_never_writes_into_a_users_folder(workdir, out, resume):
         if code == 0 and path.startswith(mine + os.sep):
             continue  # the run's own files
         assert before.get(name) == after.get(name), (out, name)
+
+
+# --- tools (issue 40): the calculator and the call parser, on what a model may write --------
+
+EXPRESSION_PARTS = st.sampled_from(["1", "9", "0", "2.5", "1e308", "10", "999", "(", ")", "+",
+                                    "-", "*", "/", "//", "%", "**", " ", "x", "__import__",
+                                    "'a'", "[", "]", ".", "e", "j", "_", ",", "lambda"])
+EXPRESSIONS = st.one_of(st.text(max_size=200), st.lists(EXPRESSION_PARTS, max_size=150).map(
+    "".join))
+
+
+@given(EXPRESSIONS)
+def test_fuzz_calculator(expression):
+    from mini_grpo.tools import ToolError, calculator
+
+    def go():
+        try:
+            out = calculator(expression)
+            assert isinstance(out, str) and len(out) <= 1100
+        except ToolError as e:
+            assert str(e).strip()
+    within_bounds(go, seconds=5, mib=64)
+
+
+CALL_BODIES = st.one_of(
+    st.text(max_size=300), raw_json(), VALUES.map(dumps),
+    st.fixed_dictionaries({"name": st.sampled_from(["calculator", "", "x", "__import__"]) | UNICODE,
+                           "arguments": VALUES | st.fixed_dictionaries(
+                               {"expression": EXPRESSIONS}) | UNICODE}).map(dumps))
+
+
+@given(st.lists(CALL_BODIES, max_size=20), st.sampled_from(["", "<tool_call>", "</tool_call>"]))
+def test_fuzz_tool_calls_come_back_as_messages(bodies, tail):
+    """Whatever the completion holds, parsing and running its calls ends in one message a
+    call (or the note of calls left out), within a bound: never an exception, never a hang."""
+    from mini_grpo.tools import MAX_CALLS, calculator, parse_tool_calls, run_call
+
+    text = "".join(f"<tool_call>{b}</tool_call>" for b in bodies) + tail
+
+    def go():
+        calls = parse_tool_calls(text)
+        assert len(calls) <= MAX_CALLS + 1
+        for c in calls:
+            out = run_call({"calculator": calculator}, c, max_chars=500)
+            assert isinstance(out, str) and len(out) <= 540
+    within_bounds(go, seconds=10, mib=128)

@@ -160,16 +160,18 @@ def available_rewards() -> list[str]:
     return sorted(set(REWARDS) | set(_entry_points()))
 
 
-def _import_callable(name: str) -> RewardFn:
+def import_callable(name: str, what: str = "reward"):
+    """The object `package.module:attr` names (a reward plugin, a tool); a ConfigError naming
+    `what` and `name` where the module cannot be imported or has no such attribute."""
     module_name, _, attr = name.partition(":")
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # a user's file may fail in any way; report it as bad input
-        raise ConfigError(f"reward {name!r}: cannot import module {module_name!r} "
+        raise ConfigError(f"{what} {name!r}: cannot import module {module_name!r} "
                           f"({type(e).__name__}: {e})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"reward {name!r}: {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"{what} {name!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -179,7 +181,7 @@ def resolve_reward(name: str) -> RewardFn:
     if name in REWARDS:
         return adapt(name, REWARDS[name])
     if ":" in name:
-        fn = _import_callable(name)
+        fn = import_callable(name)
     else:
         eps = _entry_points()
         if name not in eps:
