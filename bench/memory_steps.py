@@ -8,7 +8,9 @@ A variant is NAME:CHECKOUT[:EXTRA_ARGS,...]: distributed_train.py of that checko
 mini_grpo and configs/smollm2_numeric.yaml) with `--mode=grpo` (no RFT stage, 8 held-out
 questions), checkpoints off. Reports per variant: mem/rss_gb after each step (metrics.jsonl),
 the process's peak RSS (wait4), the median step, generation and policy-pass times without the
-first step, and the wall time.
+first step, and the wall time. `--stage sft`: RFT's SFT stage instead (`--mode=rft` on 64
+prompts, no SFT before it: the model's own accepted completions, 32 rows a step in 1024-token
+micro-batches, as in the job), reporting the peak RSS, the SFT's tokens/s and the wall time.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path) -> dict:
+def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path,
+        stage: str = "grpo") -> dict:
     out = work / name
+    mode = ["--mode=grpo", f"--max_steps={steps}"] if stage == "grpo" else \
+        ["--mode=rft", "--sft_steps=0", "--rft_num_prompts=64", f"--rft_sft_steps={steps}",
+         "--log_every=1"]
     args = [sys.executable, str(checkout / "distributed_train.py"), "--config",
-            str(checkout / "configs" / "smollm2_numeric.yaml"), "--mode=grpo", "--num_eval=8",
-            f"--max_steps={steps}", "--save_every=1000000", "--report_to=[]",
+            str(checkout / "configs" / "smollm2_numeric.yaml"), *mode, "--num_eval=8",
+            "--save_every=1000000", "--report_to=[]",
             f"--init_from={ROOT / 'models' / 'smollm2-135m-instruct'}", f"--out_dir={out}",
             *extra]
     t0 = time.perf_counter()
@@ -41,6 +47,11 @@ def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path) -> 
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{name} failed:\n{p.stderr.read().decode()[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if stage == "sft":
+        sft = [r for r in rows if "rft/loss" in r]
+        return {"variant": name, "args": extra, "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3),
+                "sft_tokens_per_s": round(sft[-1]["rft/tokens_per_s"]),
+                "wall_s": round(wall, 1)}
     steps_ = [r for r in rows if "reward/mean" in r]
     times = [r["time/step"] for r in steps_]
 
@@ -58,6 +69,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True, help="NAME:CHECKOUT[:ARGS]")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--stage", choices=["grpo", "sft"], default="grpo")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     results = []
@@ -65,7 +77,12 @@ def main() -> int:
         for v in a.variant:  # ~1.8 GB, gone with the directory
             name, checkout, *rest = v.split(":", 2)
             extra = rest[0].split(",") if rest and rest[0] else []
-            r = run(name, Path(checkout).resolve(), extra, a.steps, Path(work))
+            r = run(name, Path(checkout).resolve(), extra, a.steps, Path(work), a.stage)
+            if a.stage == "sft":
+                print(f"{name}: peak {r['peak_rss_gb']} GB, {r['sft_tokens_per_s']} tok/s, "
+                      f"wall {r['wall_s']} s", flush=True)
+                results.append(r)
+                continue
             print(f"{name}: peak {r['peak_rss_gb']} GB, rss per step {r['rss_gb_per_step']}, "
                   f"median step {r['median_step_s']} s (generation {r['median_generate_s']}, "
                   f"policy {r['median_policy_s']}), wall {r['wall_s']} s", flush=True)
@@ -74,7 +91,8 @@ def main() -> int:
         cpu = next((line.split(":", 1)[1].strip() for line in
                     Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name")), "unknown")
-        Path(a.json).write_text(json.dumps({"cpu": cpu, "steps": a.steps, "results": results},
+        Path(a.json).write_text(json.dumps({"cpu": cpu, "stage": a.stage, "steps": a.steps,
+                                            "results": results},
                                            indent=2) + "\n")
     return 0
 

@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 
 LOGITS_BUDGET_BYTES = 256 * 2**20  # one chunk's fp32 logits stay under this by default
+# SFT on a CPU: its passes take the LM head over every token of a micro-batch (1024 in the LM
+# job), which in one shot keeps ~0.7 GB of (tokens, V) logits for backward. 32 MiB chunks held
+# the LM job's SFT stage at 5.0 instead of 5.2-5.4 GB for 6% of its tokens/s; GRPO's passes
+# keep the default, where the same chunks cost 12% of the policy pass (docs/results.md)
+SFT_CPU_BUDGET_BYTES = 32 * 2**20
 
 
 def _acc_dtype(dtype):
@@ -73,7 +78,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return gh, None if gw is None else gw.to(w.dtype), None, None, None, None
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, entropy=False):
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, entropy=False,
+                   budget_bytes=None):
     """hidden (..., C) final normed hidden states (any float dtype, may be under autocast),
     weight (V, C) LM head, targets (...) long -> logp (...) fp32 =
     log_softmax(hidden @ weight.T / temperature)[target] (fp64 for fp64 inputs);
@@ -81,11 +87,11 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, 
     distribution, detached. Every target must be a valid id (mask padding afterwards).
 
     chunk_tokens: most tokens whose logits exist at once; None = as many as keep a chunk's
-    fp32 logits under LOGITS_BUDGET_BYTES. With no more tokens than that, the plain one-shot
-    computation runs (fast path, identical to the unchunked one)."""
+    fp32 logits under `budget_bytes` (default LOGITS_BUDGET_BYTES). With no more tokens than
+    that, the plain one-shot computation runs (fast path, identical to the unchunked one)."""
     V, C = weight.shape
     if chunk_tokens is None:
-        chunk_tokens = max(1, (LOGITS_BUDGET_BYTES // 4) // V)
+        chunk_tokens = max(1, ((budget_bytes or LOGITS_BUDGET_BYTES) // 4) // V)
     if targets.numel() <= chunk_tokens:
         logits = F.linear(hidden, weight)  # (..., V)
         logp_all = F.log_softmax(logits.to(_acc_dtype(logits.dtype)) / temperature, dim=-1)

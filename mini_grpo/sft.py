@@ -21,7 +21,7 @@ import torch
 
 from . import fsdp
 from .checkpoint import CheckpointError, latest_checkpoint, load_weights
-from .chunked import token_logprobs
+from .chunked import SFT_CPU_BUDGET_BYTES, token_logprobs
 from .config import ConfigError, GRPOConfig, load_config
 from .data import batch_indices, sft_batch, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
@@ -137,8 +137,11 @@ def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Te
     """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
     shares up to one row. `num_tokens`: the divisor, when (x, y) is a micro-batch of it."""
     keep = y >= 0
-    # the LM head in chunks: a big vocabulary never holds (B, T, V) logits
-    logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0))
+    # the LM head in chunks: a big vocabulary never holds (B, T, V) logits (on a CPU, smaller
+    # chunks: chunked.SFT_CPU_BUDGET_BYTES)
+    budget = SFT_CPU_BUDGET_BYTES if x.device.type == "cpu" else None
+    logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0),
+                          budget_bytes=budget)
     total = keep.sum() if num_tokens is None else num_tokens
     return -(logp * keep).sum() / total.clamp(min=1)
 

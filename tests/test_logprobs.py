@@ -71,3 +71,21 @@ def test_offloaded_reference_equals_the_resident_one(model):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     ref = Reference(model, torch.device("cpu"), offload=True)
     assert ("lm_head.weight" in ref.cpu_state) == (ref.model.tied_head() is None)
+
+
+def test_sft_on_a_cpu_takes_the_lm_head_in_smaller_chunks(monkeypatch):
+    """SFT's passes (every token of a 1024-token micro-batch) chunk a 49k vocabulary at
+    SFT_CPU_BUDGET_BYTES (170 tokens), where the default budget would take 1365 at once."""
+    from mini_grpo.sft import sft_loss
+
+    V = 49152
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=256, n_layer=1, n_head=2, n_embd=8))
+    calls = []
+    real = chunked._ChunkedTokenLogprobs.apply
+    monkeypatch.setattr(chunked._ChunkedTokenLogprobs, "apply",
+                        lambda *a: calls.append(a[4]) or real(*a))
+    x = torch.randint(V, (2, 100))
+    sft_loss(model, x, x)
+    assert calls == [chunked.SFT_CPU_BUDGET_BYTES // 4 // V]
+    assert chunked.LOGITS_BUDGET_BYTES // 4 // V > x.numel()  # the default: one shot
