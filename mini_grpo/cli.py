@@ -198,9 +198,15 @@ def sample_main(argv: list[str]) -> int:
                 batch = prompts[i:i + SAMPLE_BATCH]
                 r = run.sampler().generate(batch, sampling, gen,
                                            run.precision.autocast(generation=True))
-                for p, text in zip(batch, r.texts):
-                    line = json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) \
-                        if args.json else f"{p} {text}"
+                talks = r.conversations or [None] * len(batch)  # multi-turn (tools)
+                for p, text, talk in zip(batch, r.texts, talks):
+                    if args.json:
+                        line = json.dumps({"prompt": p, "completion": text,
+                                           **({"messages": talk} if talk else {})},
+                                          ensure_ascii=False)
+                    else:
+                        line = f"{p} {text}" if talk is None else "\n".join(
+                            [p, *(f"  [{m['role']}] {m['content']}" for m in talk)])
                     print(line, flush=True)
 
     return _guarded(run_sample)

@@ -138,6 +138,14 @@ class GRPOConfig:
     # colocate: consecutive ranks sharing one engine
     vllm_tensor_parallel_size: int = opt(1, "run", "1..1024")
     vllm_sleep: bool = opt(False, "run")  # colocate on GPUs: free its memory between rollouts
+
+    # ---- tools: multi-turn rollouts (tools.py, engines/turns.py; docs/guide.md "Tools") ----
+    # functions the model may call (calculator, or package.module:function), listed in every
+    # prompt; [] = single-turn
+    tools: list = opt([], "sft rft_data resume")
+    max_tool_calls: int = opt(4, "rft_data grpo", "1..64")  # rounds of calls answered per row
+    tool_timeout: float = opt(10.0, "grpo", "(0, 86400]")  # seconds for one turn's calls
+    tool_output_chars: int = opt(2000, "rft_data grpo", "1..1048576")  # a result's length cap
     # 0: from the GPU share; on a CPU, one step's rows
     vllm_kv_cache_gib: float = opt(0.0, "run", "[0, 1e6]")
     # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
@@ -290,6 +298,11 @@ class GRPOConfig:
             raise ConfigError("resume: must be auto, never or a checkpoint path")
         if self.rewards is not None:
             _check_rewards(self.rewards)
+        if not all(isinstance(t, str) and t for t in self.tools):
+            raise ConfigError(f"tools: must be a list of tool names, got {show(self.tools)}")
+        if self.tools and self.mode.startswith("rft"):
+            raise ConfigError(f"tools: RFT keeps single-turn completions for now (mode: "
+                              f"{self.mode}); use mode grpo or sft_grpo")
         if any(t not in TRACKERS for t in self.report_to):
             raise ConfigError(f"report_to: must list only {', '.join(TRACKERS)}, got "
                               f"{show(self.report_to)}")

@@ -41,16 +41,19 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     cfg, task, examples = run.cfg, run.task, run.task.eval
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
-    texts, lengths = [], []
+    texts, lengths, talks, counts = [], [], [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         r = engine.generate([ex.model_input for ex in chunk], sampling, gen,
                             run.precision.autocast(generation=True, enabled=amp))
         texts += r.texts
         lengths += r.lengths()
+        if r.conversations is not None:  # multi-turn
+            talks += r.conversations
+            counts.append(r.turn_counts.cpu())
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
-    res = score(run.scorer, examples, texts, lengths, cfg.max_new_tokens)
+    res = score(run.scorer, examples, texts, lengths, cfg.max_new_tokens, talks or None)
     columns = {"exact": np.asarray(exact_match(prompts, texts, targets, []), dtype=float)}
     if task.eval_columns is not None:
         columns.update(task.eval_columns(examples, texts))
@@ -64,8 +67,14 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
             sel = buckets == name
             sub = _summary(res.total[sel], {k: v[sel] for k, v in columns.items()}, lengths[sel])
             out.update({f"{name}/{k}": v for k, v in sub.items() if k in keep})
+    if counts:  # per row: tool calls, rounds; shares of calls that failed, of rows capped
+        calls, failed, rounds, capped = torch.cat(counts).double().mean(0).tolist()
+        out.update({"tools/calls": calls, "tools/rounds": rounds, "tools/capped_frac": capped,
+                    "tools/failed_frac": failed / max(calls, 1e-12)})
     out["samples"] = [{"prompt": p, "target": t, "completion": c}
                       for p, t, c in list(zip(prompts, targets, texts))[:4]]
+    for s, talk in zip(out["samples"], talks):
+        s["messages"] = talk
     return out
 
 

@@ -40,6 +40,7 @@ from .tokenizer import (
     check_model_vocab,
     tokenizer_from_state,
 )
+from .tools import tool_schemas
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
     meta = meta and src.from_rank0
     model, tok = BUILDERS[src.kind](src, cfg, data, meta)
     try:
-        tok.configure_chat(cfg.chat_template, cfg.system_prompt)
+        tok.configure_chat(cfg.chat_template, cfg.system_prompt, tool_schemas(cfg.tools))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.block_size > model.cfg.block_size:

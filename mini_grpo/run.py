@@ -41,6 +41,7 @@ from .config import ConfigError, GRPOConfig
 from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .engines.native import NativeEngine
+from .engines.turns import ToolSetup
 from .limits import check_lengths, check_step_memory, check_world
 from .logger import RunLogger
 from .lora import ADAPTER_FILES, LoRAFacts, is_lora, store_base_in
@@ -114,7 +115,8 @@ class Run:
         on rank 0), an engine with no collective in `generate`: the run's, or where that is a
         tensor-parallel vLLM group, our native sampler."""
         if alone and not self.engine.alone:
-            return NativeEngine(self.model, self.tok, self.cfg.kv_cache)
+            return NativeEngine(self.model, self.tok, self.cfg.kv_cache,
+                                ToolSetup.of(self.cfg))
         return self.engine
 
     def sync_engine(self) -> None:

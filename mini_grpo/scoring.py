@@ -344,11 +344,16 @@ class RewardScorer:
         return self._pool.submit(lambda a: [call(*a)], args[0])
 
 
-def score(scorer, examples: list, texts: list[str], lengths: list[int], max_new_tokens: int):
+def score(scorer, examples: list, texts: list[str], lengths: list[int], max_new_tokens: int,
+          conversations: list[list[dict]] | None = None):
     """The scorer's result for completions `texts` of `examples` (one each), whose metadata
-    gets what sampling knows of each completion: `completion_tokens` (its length) and
-    `max_new_tokens` (the cap it may have hit). The trainer, evaluation and RFT score here."""
-    metas = [{**ex.meta, "completion_tokens": int(n), "max_new_tokens": max_new_tokens}
-             for ex, n in zip(examples, lengths)]
+    gets what sampling knows of each completion: `completion_tokens` (its length),
+    `max_new_tokens` (the cap it may have hit) and, for multi-turn rollouts, `messages` (the
+    conversation after the prompt: the model's turns, the tools' answers; `texts` holds the
+    last turn). The trainer, evaluation and RFT score here."""
+    conversations = conversations or [None] * len(examples)
+    metas = [{**ex.meta, "completion_tokens": int(n), "max_new_tokens": max_new_tokens,
+              **({"messages": c} if c is not None else {})}
+             for ex, n, c in zip(examples, lengths, conversations)]
     return scorer.score([ex.prompt for ex in examples], texts, [ex.target for ex in examples],
                         metas)

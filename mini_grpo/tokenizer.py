@@ -23,12 +23,22 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, template_text
+from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, ChatTemplateError, template_text
 from .fields import ConfigError, show
 from .jsonio import check_tree, read_json_object
 from .outputs import write_atomic, write_file
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+# the tool list in the system message, for a template that has no place for one: the Hermes
+# format, in the words of Qwen2.5's template (calls come back as <tool_call> JSON: tools.py)
+TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+_MARK = "\x00mini-grpo reply\x00"  # stands for a reply, to find where the template closes it
 
 
 class CharTokenizer:
@@ -91,10 +101,15 @@ class CharTokenizer:
                              "tokenizer with a chat template (init_from a model directory)")
         return self.encode(text, bos=True)
 
-    def configure_chat(self, chat_template: str, system_prompt: str) -> None:
+    def configure_chat(self, chat_template: str, system_prompt: str,
+                       tools: list[dict] = ()) -> None:
         if chat_template == "on" or system_prompt:
             raise ValueError("chat_template: the character tokenizer has no chat template "
                              "(chat_template and system_prompt need a Hugging Face tokenizer)")
+        if tools:
+            raise ValueError("tools: a multi-turn conversation needs a chat template (a "
+                             "Hugging Face tokenizer that has one); the character tokenizer "
+                             "has none")
 
     def state(self) -> list[str]:
         return list(self.chars)
@@ -178,10 +193,15 @@ class HFTokenizer:
         self.template = None if chat_template is None else \
             ChatTemplate(chat_template, where["chat_template"])  # compiled: syntax errors here
         self.chat, self.system_prompt = chat_template is not None, ""
+        self.tools, self.tools_in_template = [], False
 
-    def configure_chat(self, chat_template: str, system_prompt: str) -> None:
+    def configure_chat(self, chat_template: str, system_prompt: str,
+                       tools: list[dict] = ()) -> None:
         """chat_template auto | on | off: whether prompts go through the template (auto: when
-        the tokenizer has one); system_prompt: a system message before each prompt."""
+        the tokenizer has one); system_prompt: a system message before each prompt; tools:
+        the JSON schemas of the tools the model may call (tools.tool_schema), rendered into
+        every prompt: through the template where it takes `tools` (it renders them), else in
+        the system message, in the Hermes format (TOOLS_PROMPT)."""
         if chat_template == "on" and self.chat_template is None:
             raise ValueError("chat_template: on, but the tokenizer has none (no chat_template "
                              "in tokenizer_config.json, no chat_template.jinja)")
@@ -189,7 +209,62 @@ class HFTokenizer:
         if system_prompt and not self.chat:
             raise ValueError("system_prompt: needs the chat template (chat_template: auto or "
                              "on, and a tokenizer that has one)")
-        self.system_prompt = system_prompt
+        if tools and not self.chat:
+            raise ValueError("tools: a multi-turn conversation needs the chat template "
+                             "(chat_template: auto or on, and a tokenizer that has one)")
+        self.system_prompt, self.tools, self.tools_in_template = system_prompt, list(tools), False
+        if self.tools:  # does the template render a tool list? (if not, the system message)
+            probe = [{"role": "user", "content": "?"}]
+            self.tools_in_template = self._render(probe, True, tools=self.tools) != \
+                self._render(probe, True)
+
+    def messages_of(self, prompt: str | list[dict]) -> list[dict]:
+        """A task's prompt as the conversation the template renders: one user message, or
+        the row's own messages; after the system prompt (if any, and if the row has no
+        system message of its own), and the tool list where the template has no place for
+        it (appended to the system message)."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
+            [dict(m) for m in prompt]
+        if self.system_prompt and (not messages or messages[0].get("role") != "system"):
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if self.tools and not self.tools_in_template:
+            listed = TOOLS_PROMPT.format(tools="\n".join(
+                json.dumps(t, ensure_ascii=False) for t in self.tools))
+            if messages and messages[0].get("role") == "system":
+                messages[0]["content"] = f"{messages[0].get('content', '')}\n\n{listed}"
+            else:
+                messages.insert(0, {"role": "system", "content": listed})
+        return messages
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A conversation (messages_of's, and what followed) as the template renders it,
+        with the tools where the template takes them."""
+        return self._render(messages, add_generation_prompt,
+                            **({"tools": self.tools} if self.tools_in_template else {}))
+
+    def continuation(self, conversation: list[dict], appended: list[dict],
+                     ended_with: int | None) -> list[int]:
+        """The ids that follow the model's turn, the last message of `conversation` (which
+        ended with token `ended_with`, one of eos_ids), when the messages `appended` (tools'
+        results, an environment's answer) come next and the model speaks again: the rest of
+        the turn's closing as the template writes it, the appended messages, and the
+        generation prompt. The model's own tokens are kept as it sampled them; only these are
+        encoded. The model's messages are rendered as a short stand-in: what follows them
+        does not depend on what they say, and a turn of any length renders in bounded time."""
+        turn = [{**m, "content": _MARK} if m.get("role") == "assistant" else m
+                for m in conversation]
+        before = self.render(turn, False)
+        after = self.render(turn + appended, True)
+        if not after.startswith(before) or _MARK not in before:
+            raise ChatTemplateError(
+                f"{self.template.where}: the chat template renders the conversation before "
+                f"a tool's message differently once the message follows it: it cannot be "
+                f"continued token by token")
+        closing = before[before.rfind(_MARK) + len(_MARK):]
+        said = self.tk.id_to_token(ended_with) if ended_with is not None else None
+        if said and closing.startswith(said):  # the model wrote that much of the closing
+            closing = closing[len(said):]
+        return self.encode(closing + after[len(before):])
 
     def _id(self, text: str | None) -> int | None:
         return None if text is None else self.tk.token_to_id(text)
@@ -271,11 +346,7 @@ class HFTokenizer:
                                  "(chat_template: auto or on, and a tokenizer that has one)")
             ids = self.encode(text, bos=True)
         else:
-            messages = [{"role": "user", "content": text}] if isinstance(text, str) else \
-                list(text)
-            if self.system_prompt and (not messages or messages[0].get("role") != "system"):
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
-            ids = self.encode(self.apply_chat_template(messages))
+            ids = self.encode(self.render(self.messages_of(text)))
         if not ids:  # the model cannot start from nothing
             raise ConfigError(f"prompt {show(text)}: encodes to no tokens (the tokenizer adds "
                               f"no BOS: give a non-empty prompt, or use the chat template)")
@@ -301,6 +372,9 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
         """The rendered conversation, as text (encode it with bos=False)."""
+        return self._render(messages, add_generation_prompt, **kwargs)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
         if self.template is None:
             raise ValueError("tokenizer: no chat template (chat_template: off, or a model "
                              "directory whose tokenizer_config.json has one)")

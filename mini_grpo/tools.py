@@ -153,6 +153,11 @@ def resolve_tools(names: list[str]) -> dict[str, Callable]:
     return out
 
 
+def tool_schemas(names: list[str]) -> list[dict]:
+    """The JSON schemas of the config's `tools` (what a prompt lists)."""
+    return [tool_schema(fn) for fn in resolve_tools(names).values()]
+
+
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
                list: "array", dict: "object"}
 

@@ -72,7 +72,8 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
         times["generate"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- rewards; the step's record: advantages, global normalisers, micro-batch plan
-        res = score(run.scorer, rows, r.texts, r.lengths(), cfg.max_new_tokens)
+        res = score(run.scorer, rows, r.texts, r.lengths(), cfg.max_new_tokens,
+                    r.conversations)
         traj = Trajectory.of(r, torch.tensor(res.total, dtype=torch.float32,
                                              device=run.device), cfg, model)
         times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -215,6 +216,9 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
             "truncated": (~traj.finished).float().sum(),
             "groups": float(traj.zero_spread.numel()),
             "prompt_tokens": traj.prompt_mask.sum().float()}
+    if traj.turn_counts is not None:  # multi-turn: the same on every rank (the config's)
+        for k, col in zip(("calls", "failed", "rounds", "capped"), traj.turn_counts.T):
+            sums[f"turns/{k}"] = col.sum()
     for k, col in res.columns.items():  # per plugin, over all ranks' rows
         col = torch.as_tensor(col, dtype=torch.float64)
         sums[f"{k}/s1"], sums[f"{k}/s2"] = col.sum(), col.square().sum()
@@ -237,6 +241,10 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
          # the real tokens among them (each prompt counted once per group)
          "tokens/processed": acc["positions"] / iters, "tokens/unique": acc["real"] / iters,
          "tokens/train": traj.num_tokens.item() + red["prompt_tokens"]}
+    if traj.turn_counts is not None:  # per row: tool calls, rounds; shares of rows
+        m.update({"tools/calls": red["turns/calls"] / n, "tools/rounds": red["turns/rounds"] / n,
+                  "tools/failed_frac": red["turns/failed"] / max(red["turns/calls"], 1.0),
+                  "tools/capped_frac": red["turns/capped"] / n})
     for k in res.columns:
         mean = red[f"{k}/s1"] / n
         m[f"reward/{k}/mean"] = mean

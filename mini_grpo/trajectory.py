@@ -6,7 +6,8 @@ GRPOTrajectory). The reference pass, every policy pass, the loss and the metrics
     for mb in traj.micro_batches(): ...                     # its rows, cut from the record
 
 It holds the rollout's tokens and masks (the completion mask says which tokens are attended,
-the loss mask which of them carry loss), the engine's log-probs and the `Sampling` they were
+the loss mask which of them carry loss: in a multi-turn rollout, the model's own tokens, not
+its tools' results), the engine's log-probs and the `Sampling` they were
 drawn with (re-scoring uses its temperature), the rewards and advantages, the global batch's
 normalisers (one all-reduce: N ranks normalise as one process holding the whole batch), and
 the micro-batch plan every pass follows. Nothing fills it in: the reference's and the old
@@ -115,6 +116,8 @@ class Trajectory:
     pad: int  # passes with no loss that keep fsdp's ranks in step (the busiest's count)
     ref_logp: torch.Tensor | None = None  # (B, N) the reference policy's; None: no reference
     old_logp: torch.Tensor | None = None  # (B, N) the policy's before this step's update
+    turn_counts: torch.Tensor | None = None  # (B, 4) multi-turn: calls, failed calls, rounds,
+    # capped (Rollout.turn_counts)
 
     @classmethod
     def of(cls, r: Rollout, rewards: torch.Tensor, cfg, model=None) -> Trajectory:
@@ -125,7 +128,9 @@ class Trajectory:
         (their rewards still shape their group's advantages)."""
         G = cfg.group_size
         zero = zero_spread(rewards, G)
-        loss_mask = r.completion_mask
+        loss_mask = r.completion_mask  # multi-turn: the model's own tokens alone
+        if r.model_mask is not None:
+            loss_mask = loss_mask & r.model_mask
         if cfg.dynamic_sampling:
             loss_mask = loss_mask & (~zero).repeat_interleave(G)[:, None]
         if cfg.mask_truncated:  # DAPO: cut-off rows teach nothing
@@ -149,7 +154,8 @@ class Trajectory:
                              "(Rollout.sampling); every engine sets it")
         return cls(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, loss_mask,
                    r.finished, r.logprobs, nonfinite, r.sampling, G, rewards, adv, zero, n,
-                   seqs.clamp(min=1), tokens.clamp(min=1), mean, std, plan, pad)
+                   seqs.clamp(min=1), tokens.clamp(min=1), mean, std, plan, pad,
+                   turn_counts=r.turn_counts)
 
     def replace(self, **changes) -> Trajectory:
         """A new record with `changes` (ref_logp, old_logp): this one stays as it is."""

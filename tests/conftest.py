@@ -90,7 +90,8 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0, heads: int = 4) -> Path:
+def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0, heads: int = 4,
+                positions: int = 512) -> Path:
     """A pretrained-style model directory as save_pretrained writes it, built locally with
     transformers (nothing downloaded): a 2-layer, 64-wide `model_type` model with random
     weights, `heads` attention heads (half as many key/value heads; vLLM's CPU attention
@@ -114,7 +115,7 @@ def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0, heads: int = 4) 
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=512, tie_word_embeddings=model_type == "qwen2",
+        max_position_embeddings=positions, tie_word_embeddings=model_type == "qwen2",
         eos_token_id=tk.token_to_id("<|im_end|>"))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

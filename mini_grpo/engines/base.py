@@ -74,6 +74,11 @@ class Rollout:
     nonfinite: torch.Tensor | None = None  # 0-d bool: some logits were NaN/Inf while sampling
     sampling: Sampling | None = None  # how it was drawn (every engine says): re-scoring
     # uses its temperature
+    # multi-turn rollouts (turns.py): the completion holds the model's turns and what
+    # answered them (tools' results, the chat template's turn markers), all attended to
+    model_mask: torch.Tensor | None = None  # (B, N) bool, the model's own tokens: the loss's
+    conversations: list[list[dict]] | None = None  # each row's messages after its prompt
+    turn_counts: torch.Tensor | None = None  # (B, 4) calls, failed calls, rounds, capped
 
     def lengths(self) -> list[int]:
         """Each completion's length in tokens (EOS included)."""

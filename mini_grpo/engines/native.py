@@ -28,14 +28,15 @@ from ..models import CausalLM, attention_mask, positions
 from ..models.packed import packed
 from ..tokenizer import Tokenizer
 from .base import Rollout, Sampling, pad_left
+from .turns import ToolSetup, Turns
 
 
 class NativeEngine:
     name = "native"
     alone = True  # each rank samples its own rows with its own (gathered) policy
 
-    def __init__(self, model, tok, use_cache: bool = True):
-        self.model, self.tok, self.use_cache = model, tok, use_cache
+    def __init__(self, model, tok, use_cache: bool = True, tools: ToolSetup | None = None):
+        self.model, self.tok, self.use_cache, self.tools = model, tok, use_cache, tools
 
     def generate(self, prompts: list, sampling: Sampling, generator=None,
                  autocast=None) -> Rollout:
@@ -44,7 +45,7 @@ class NativeEngine:
             return sample(self.model, self.tok, prompts, sampling.max_new_tokens,
                           temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p, greedy=sampling.greedy, generator=generator,
-                          use_cache=self.use_cache)
+                          use_cache=self.use_cache, tools=self.tools)
 
     def sync(self, model) -> None:
         """Nothing to do: this engine samples with the policy itself."""
@@ -54,12 +55,21 @@ class NativeEngine:
 
 
 def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list, max_new_tokens: int,
-           **kw) -> Rollout:
+           tools: ToolSetup | None = None, **kw) -> Rollout:
     """Text (or chat messages) in, Rollout with decoded `texts` out; prompts are encoded as
-    the tokenizer says (`encode_prompt`: a leading BOS, or the chat template)."""
-    enc = [tokenizer.encode_prompt(p) for p in prompts]
-    r = generate(model, enc, max_new_tokens, tokenizer.eos_ids, tokenizer.pad_id, **kw)
-    r.texts = [tokenizer.decode(row) for row in r.completion_ids.tolist()]
+    the tokenizer says (`encode_prompt`: a leading BOS, or the chat template). With `tools`,
+    multi-turn conversations (turns.py): `texts` holds each row's last reply, and the
+    Rollout its conversation and counts."""
+    if tools is None:
+        enc = [tokenizer.encode_prompt(p) for p in prompts]
+        r = generate(model, enc, max_new_tokens, tokenizer.eos_ids, tokenizer.pad_id, **kw)
+        r.texts = [tokenizer.decode(row) for row in r.completion_ids.tolist()]
+        return r
+    turns = Turns(tools, tokenizer, prompts)
+    r = generate(model, turns.prompt_ids(), max_new_tokens, tokenizer.eos_ids,
+                 tokenizer.pad_id, turns=turns, **kw)
+    r.texts, r.conversations = turns.last_replies(), turns.conversations()
+    r.turn_counts = turns.counts.to(r.completion_ids.device)
     return r
 
 
@@ -92,7 +102,7 @@ def _pick(logits, temperature, top_k, top_p, greedy, generator):
 def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
              eos_id: int | list[int], pad_id: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> Rollout:
+             use_cache: bool = True, turns: Turns | None = None) -> Rollout:
     """Samples up to max_new_tokens per prompt, one forward pass per new token for the batch.
 
     A row ends at the first of its tokens in `eos_id` (one id, or every id that ends a
@@ -101,6 +111,14 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     go on without them (their cache rows copied out, so the copies cost little).
     `use_cache=False` recomputes the whole
     sequence at each step (the baseline the KV cache is measured against).
+
+    With `turns` (multi-turn, turns.py), a row's EOS ends its turn, not the row: `turns`
+    answers with the ids to append (tools' results, the next generation prompt), which the
+    row then takes one per step in place of a sampled token, continuing from its KV cache
+    while the other rows sample on; they are attended to and left out of `model_mask`.
+    The row ends when `turns` answers None, or when what it answers does not fit the
+    max_new_tokens the row has left (then it counts as cut off, not finished). When no turn
+    is answered, the rollout equals the one without `turns` bit for bit.
     """
     device = model.lm_head.weight.device
     ids, pmask = pad_left(prompts, pad_id, device)  # (B, P)
@@ -124,6 +142,13 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
     live = torch.arange(B, device=device)  # the rows in the batch (those that ended drop out)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) which of them have ended
+    if turns is not None:  # the ids each row has yet to take from its conversation, by row
+        forced = torch.full((B, N), pad_id, dtype=torch.long, device=device)
+        f_len = torch.zeros(B, dtype=torch.long, device=device)
+        f_at = torch.zeros(B, dtype=torch.long, device=device)
+        own = torch.zeros((B, N), dtype=torch.bool, device=device)  # the model's tokens
+        cut = torch.zeros(B, dtype=torch.bool, device=device)
+        turn_start = [0] * B  # each row's current turn's first column
 
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
@@ -143,12 +168,25 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
             bad |= ~finite.all()
             last = torch.where(finite, last, 0.0)
             tok, lp = _pick(last, temperature, top_k, top_p, greedy, generator)
+            if turns is not None:
+                at = f_at[live]
+                given = at < f_len[live]  # (b,) rows taking their conversation's ids
+                tok = torch.where(given, forced[live, at.clamp(max=N - 1)], tok)
+                lp = lp.masked_fill(given, 0.0)
+                f_at[live] = at + given.long()
+                own[live, t] = ~done & ~given
             tok = tok.masked_fill(done, pad_id)
             out[live, t] = tok
             out_mask[live, t] = ~done
             out_lp[live, t] = lp.masked_fill(done, 0.0)
             key_valid[live, P + t] = ~done
-            done |= torch.isin(tok, eos)
+            if turns is None:
+                done |= torch.isin(tok, eos)
+            else:
+                turn_ended = (torch.isin(tok, eos) & ~given & ~done).nonzero().flatten()
+                if len(turn_ended):
+                    _next_turn(turns, live[turn_ended].tolist(), turn_ended, t, out, forced,
+                               f_len, f_at, cut, done, turn_start)
             steps = t + 1
             # the one host sync per token: how many rows have ended (all, or bad: stop)
             ended = int(torch.where(bad, len(live), done.sum()))
@@ -170,9 +208,31 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     finished = torch.ones(B, dtype=torch.bool, device=device)  # rows that dropped out ended
     finished[live] = done
     model.train(was_training)
-    return Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps],
-                   finished, nonfinite=bad,
-                   sampling=Sampling(max_new_tokens, temperature, top_k, top_p, greedy))
+    r = Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps], finished,
+                nonfinite=bad, sampling=Sampling(max_new_tokens, temperature, top_k, top_p,
+                                                 greedy))
+    if turns is not None:
+        r.finished &= ~cut
+        r.model_mask = own[:, :steps]
+        for g in (~r.finished).nonzero().flatten().tolist():  # its last turn, unfinished
+            if turn_start[g] < steps:
+                turns.cut(g, out[g, turn_start[g]:steps].tolist())
+    return r
+
+
+def _next_turn(turns: Turns, rows: list[int], at: torch.Tensor, t: int, out, forced, f_len,
+               f_at, cut, done, turn_start) -> None:
+    """Rows `rows` (at `at` in the live batch) ended a turn at column t: each takes the ids
+    its conversation answers from column t + 1 on, or ends (None, or no room left)."""
+    N = out.size(1)
+    nxt = turns.end_turn(rows, [out[g, turn_start[g]:t + 1].tolist() for g in rows])
+    for j, g, ids in zip(at.tolist(), rows, nxt):
+        if ids is not None and len(ids) < N - 1 - t:  # and room for one token of its own
+            forced[g, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            f_len[g], f_at[g], turn_start[g] = len(ids), 0, t + 1 + len(ids)
+        else:
+            cut[g], turn_start[g] = ids is not None, N  # its turns are all told
+            done[j] = True
 
 
 @contextmanager

@@ -1,0 +1,119 @@
+"""The engine's side of multi-turn rollouts: each row's conversation, turn by turn.
+
+    setup = ToolSetup.of(cfg)                      # None: single-turn rollouts
+    turns = Turns(setup, tok, prompts)             # one per generation; an environment per row
+    prompt_ids = turns.prompt_ids()                # the prompts, with the tool list
+    nxt = turns.end_turn(rows, replies)            # ids to append after each reply, or None
+
+An engine samples a row until its turn ends (an EOS token), hands the turn's ids to
+`end_turn`, and appends the ids it returns (the environment's messages as the chat template
+renders them, and the generation prompt) as tokens the model did not write: attended to,
+never trained on. None ends the row: its environment said so (a turn without tool calls),
+or it used its max_tool_calls rounds. Environments step in a thread pool, the rows whose
+turns ended together at once; one that does not answer within tool_timeout seconds, or
+raises, answers `error: ...` (its thread is left to finish on its own).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..envs import Environment, Step, ToolEnv
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How an engine runs conversations: an environment per row, and the caps."""
+    env: Callable[[], Environment]  # a fresh environment for one row
+    max_rounds: int  # the most answered turns per row (max_tool_calls)
+    timeout: float  # seconds for one environment step (tool_timeout)
+    workers: int  # environment steps at once
+
+    @classmethod
+    def of(cls, cfg) -> ToolSetup | None:
+        """The config's tools as a setup (ToolEnv); None without tools."""
+        if not cfg.tools:
+            return None
+        from ..tools import resolve_tools
+
+        tools, chars = resolve_tools(cfg.tools), cfg.tool_output_chars
+        return cls(lambda: ToolEnv(tools, chars), cfg.max_tool_calls, cfg.tool_timeout,
+                   cfg.num_reward_workers)
+
+
+class Turns:
+    """The conversations of one generation's rows (B prompts): their messages so far, their
+    environments, and counts of what happened (calls, failed calls, rounds, capped)."""
+
+    def __init__(self, setup: ToolSetup, tok, prompts: list):
+        self.setup, self.tok = setup, tok
+        self.history = [tok.messages_of(p) for p in prompts]
+        self.envs = [setup.env() for _ in prompts]
+        for h, env, p in zip(self.history, self.envs, prompts):
+            first = env.reset(p)
+            if first is not None:
+                h[:] = tok.messages_of(first)
+        self.start = [len(h) for h in self.history]  # where each row's own turns begin
+        self.counts = torch.zeros(len(prompts), 4)  # calls, failed calls, rounds, capped
+
+    def prompt_ids(self) -> list[list[int]]:
+        return [self.tok.encode(self.tok.render(h)) for h in self.history]
+
+    def end_turn(self, rows: list[int], replies: list[list[int]]) -> list[list[int] | None]:
+        """`replies[i]`: the ids of row `rows[i]`'s turn, its end-of-turn token last -> the
+        ids that follow it, or None where the row is over."""
+        texts = [self.tok.decode(ids) for ids in replies]  # up to the end-of-turn token
+        out = []
+        for g, ids, text, st in zip(rows, replies, texts, self._steps(rows, texts)):
+            history = self.history[g]
+            history.append({"role": "assistant", "content": text})
+            c = self.counts[g]
+            c[0] += st.calls
+            c[1] += st.failed
+            if st.done or not st.messages:
+                out.append(None)
+            elif c[2] >= self.setup.max_rounds:
+                c[3] = 1
+                out.append(None)
+            else:
+                c[2] += 1
+                out.append(self.tok.continuation(history, st.messages, ids[-1]))
+                history += st.messages
+        return out
+
+    def cut(self, row: int, ids: list[int]) -> None:
+        """Row `row` ran out of tokens in its turn `ids` (its last message, unfinished)."""
+        self.history[row].append({"role": "assistant", "content": self.tok.decode(ids)})
+
+    def _steps(self, rows: list[int], texts: list[str]) -> list[Step]:
+        pool = cf.ThreadPoolExecutor(max_workers=max(1, min(self.setup.workers, len(rows))))
+        try:
+            futures = [pool.submit(self.envs[g].step, t) for g, t in zip(rows, texts)]
+            cf.wait(futures, timeout=self.setup.timeout)
+            return [self._result(f) for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _result(self, f: cf.Future) -> Step:
+        if not f.done():
+            why = f"no answer within {self.setup.timeout:g} s (tool_timeout)"
+        elif f.exception() is not None:
+            lines = str(f.exception()).strip().splitlines()
+            why = lines[0] if lines else type(f.exception()).__name__
+        else:
+            return f.result()
+        return Step([{"role": "tool", "content": f"error: {why}"}], done=False, calls=1,
+                    failed=1)
+
+    def conversations(self) -> list[list[dict]]:
+        """Each row's messages after its prompt: the model's turns and what answered them."""
+        return [h[s:] for h, s in zip(self.history, self.start)]
+
+    def last_replies(self) -> list[str]:
+        """Each row's last message of its own (the answer a reward reads)."""
+        return [next((m["content"] for m in reversed(h[s:]) if m["role"] == "assistant"), "")
+                for h, s in zip(self.history, self.start)]

@@ -1,0 +1,336 @@
+# ruff: noqa: E501 (Qwen2.5's chat template is embedded as its tokenizer_config.json writes it)
+"""Multi-turn rollouts: the tool list and the tools' messages rendered as transformers renders
+them, the native engine's turn loop (tokens of the environment attended to, never trained
+on), the loss mask, and hostile model output through the whole loop."""
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import CHATML, tiny, tiny_gpt
+
+from mini_grpo.engines.native import generate
+from mini_grpo.engines.turns import ToolSetup, Turns
+from mini_grpo.envs import Step, ToolEnv
+from mini_grpo.logprobs import completion_logprobs
+from mini_grpo.tokenizer import HFTokenizer
+from mini_grpo.tools import calculator, resolve_tools, tool_schemas
+from mini_grpo.trainer import policy_pass
+from mini_grpo.trajectory import Trajectory
+
+transformers = pytest.importorskip("transformers")
+
+# Qwen2.5's template with tools (Hermes-style <tool_call> JSON; tool results as a user turn
+# of <tool_response> blocks), as its tokenizer_config.json carries it
+QWEN25 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "431 * 254"}}\n</tool_call>'
+
+
+def tokenizers(tmp_path, template):
+    """(ours, transformers') for one byte-level BPE with ChatML's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["What is 431 * 254? The answer is 109474.", CALL], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                                              pad_token="<|endoftext|>")
+    hf.chat_template = template
+    hf.save_pretrained(tmp_path)
+    ours = HFTokenizer.from_dir(tmp_path)
+    ours.configure_chat("auto", "", tool_schemas(["calculator"]))
+    return ours, hf
+
+
+@pytest.mark.parametrize("template", ["qwen25", "chatml"])
+def test_a_conversation_token_by_token_is_the_template_s_rendering(tmp_path, template):
+    """The prompt with its tool list, then the model's turns (kept as sampled) and what
+    `continuation` appends after each, decode to what transformers' apply_chat_template
+    renders for the whole conversation: through the template's own `tools` (Qwen2.5), or
+    (a template without) the tool list in the system message."""
+    ours, hf = tokenizers(tmp_path, QWEN25 if template == "qwen25" else CHATML)
+    assert ours.tools_in_template == (template == "qwen25")
+    question = "What is 431 * 254?"
+    history = ours.messages_of(question)
+    ids = ours.encode(ours.render(history))
+    expect = [{"role": "user", "content": question}]
+    if template == "qwen25":
+        assert ours.render(history) == hf.apply_chat_template(
+            expect, tools=[calculator], add_generation_prompt=True, tokenize=False)
+    else:  # the fallback: the Hermes tool list in a system message of its own
+        assert history[0]["role"] == "system" and '"name": "calculator"' in history[0]["content"]
+        expect = history[:1] + expect
+    replies = [CALL, "Then " + CALL, "The answer is 109474."]
+    results = ["109474", "error: unknown tool 'x'"]
+    for k, reply in enumerate(replies):
+        ids += ours.encode(reply) + [ours.eos_id]  # the model's turn, as it sampled it
+        if k == len(replies) - 1:
+            break
+        tool = [{"role": "tool", "content": results[k]}]
+        history.append({"role": "assistant", "content": reply})
+        ids += ours.continuation(history, tool, ours.eos_id)
+        history += tool
+        expect += [{"role": "assistant", "content": reply}] + tool
+    expect.append({"role": "assistant", "content": replies[-1]})
+    whole = hf.apply_chat_template(expect, tools=[calculator] if template == "qwen25" else None,
+                                   tokenize=False)
+    assert ours.tk.decode(ids, skip_special_tokens=False) + "\n" == whole
+
+
+def eos_heavy(seed=0):
+    """A tiny GPT and end-of-turn ids that it samples often (a third of its vocabulary)."""
+    return tiny_gpt(seed), [3, 6, 9, 12, 15, 18, 21]
+
+
+PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13, 14], [1, 8]]
+
+
+class Scripted:
+    """Turns' interface with a fixed answer: each ended turn gets `answer` for `rounds`
+    rounds, then the row ends; records what it was handed."""
+
+    def __init__(self, answer, rounds):
+        self.answer, self.rounds, self.seen, self.cuts = answer, rounds, {}, {}
+
+    def end_turn(self, rows, replies):
+        out = []
+        for g, ids in zip(rows, replies):
+            self.seen.setdefault(g, []).append(ids)
+            out.append(list(self.answer) if len(self.seen[g]) <= self.rounds else None)
+        return out
+
+    def cut(self, row, ids):
+        self.cuts[row] = ids
+
+
+def test_with_no_turn_answered_the_rollout_equals_the_single_turn_one_bit_for_bit():
+    m, eos = eos_heavy()
+    for greedy in (False, True):
+        a = generate(m, PROMPTS, 24, eos, 0, greedy=greedy,
+                     generator=torch.Generator().manual_seed(7))
+        b = generate(m, PROMPTS, 24, eos, 0, greedy=greedy, turns=Scripted([], 0),
+                     generator=torch.Generator().manual_seed(7))
+        for name in ("completion_ids", "completion_mask", "logprobs", "finished"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(b.model_mask, b.completion_mask)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_answers_are_taken_after_each_turn_attended_and_not_the_model_s(use_cache):
+    m, eos = eos_heavy()
+    answer = [4, 5, 20]
+    turns = Scripted(answer, rounds=2)
+    r = generate(m, PROMPTS, 40, eos, 0, temperature=1.0, turns=turns, use_cache=use_cache,
+                 generator=torch.Generator().manual_seed(3))
+    assert turns.seen  # some turns ended and were answered
+    for g in range(len(PROMPTS)):
+        ids = r.completion_ids[g][r.completion_mask[g]].tolist()
+        own = r.model_mask[g][r.completion_mask[g]].tolist()
+        # the row, rebuilt from what the model said and what answered it
+        rebuilt, flags = [], []
+        for k, turn in enumerate(turns.seen.get(g, [])):
+            rebuilt += turn
+            flags += [True] * len(turn)
+            if k < 2:
+                rebuilt += answer
+                flags += [False] * len(answer)
+        tail = ids[len(rebuilt):]  # the unfinished turn of a row cut off, if any
+        assert ids[:len(rebuilt)] == rebuilt and own == flags + [True] * len(tail)
+        assert r.finished[g] == (not tail and len(turns.seen.get(g, [])) == 3)
+        assert turns.cuts.get(g, []) == tail
+    assert (r.logprobs[~r.model_mask] == 0).all()
+    # the engine's log-probs of the model's tokens are those of the training pass over the
+    # whole conversation (its cache continued through the answers)
+    lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask)
+    torch.testing.assert_close(lp[r.model_mask], r.logprobs[r.model_mask], rtol=0, atol=1e-5)
+
+
+def test_an_answer_that_does_not_fit_ends_the_row_as_cut_off():
+    m, eos = eos_heavy()
+    turns = Scripted(list(range(4, 24)) * 3, rounds=5)  # 60 ids: never fits in 24
+    r = generate(m, PROMPTS, 24, eos, 0, turns=turns, generator=torch.Generator().manual_seed(3))
+    for g, seen in turns.seen.items():
+        assert not r.finished[g] and len(seen) == 1
+        assert torch.equal(r.model_mask[g], r.completion_mask[g])
+
+
+def rollout_with_answers(m, eos, answer):
+    """Two groups of two rows (a group shares its prompt)."""
+    return generate(m, [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2, 40, eos, 0,
+                    turns=Scripted(answer, rounds=2), generator=torch.Generator().manual_seed(3))
+
+
+def test_the_loss_and_its_gradient_leave_the_tools_tokens_out():
+    """The trainer's loss (through the Trajectory) equals a loss written by hand over the
+    model's tokens alone, gradients included; another answer's tokens change the later
+    tokens' log-probs but add no loss term of their own."""
+    m, eos = eos_heavy()
+    cfg = tiny(group_size=2, beta=0.0, loss_agg="dapo")
+    r = rollout_with_answers(m, eos, [4, 5, 20])
+    assert (r.completion_mask & ~r.model_mask).any()
+    traj = Trajectory.of(r, torch.tensor([1.0, 0.0, 0.5, 2.0]), cfg)
+    assert traj.num_tokens == r.model_mask.sum()
+    m.zero_grad()
+    policy_pass(m, traj, cfg)
+    ours = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask)
+    keep = r.model_mask.float()
+    ratio = torch.exp(lp - lp.detach())  # 1, with the policy gradient's derivative
+    by_hand = -(traj.advantages[:, None] * ratio * keep).sum() / keep.sum()
+    by_hand.backward()
+    for a, b in zip(ours, (p.grad for p in m.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # another tool output: same loss tokens, other log-probs after it
+    other = rollout_with_answers(m, eos, [4, 5, 17])
+    first = (r.completion_mask & ~r.model_mask).int().argmax(1)
+    g = int((r.completion_mask & ~r.model_mask).any(1).int().argmax())
+    n = int(first[g]) + 3
+    assert torch.equal(r.completion_ids[g, :n - 1], other.completion_ids[g, :n - 1])
+    lp_other = completion_logprobs(m, other.prompt_ids, other.prompt_mask,
+                                   other.completion_ids, other.completion_mask)
+    assert not other.model_mask[g, n - 1] and other.model_mask[g, n]
+    assert (lp[g, n] - lp_other[g, n]).abs() > 1e-6 or \
+        r.completion_ids[g, n] != other.completion_ids[g, n]
+
+
+def test_hostile_turns_come_back_as_error_messages_and_stay_bounded(tmp_path):
+    """What a model may write at its worst, through the whole turn: parsed, run, answered,
+    rendered; nothing raises, nothing runs, every answer is short."""
+    ours, _ = tokenizers(tmp_path, QWEN25)
+    setup = ToolSetup(lambda: ToolEnv(resolve_tools(["calculator"]), 200), 4, 10.0, 2)
+    hostile = {
+        "huge": None,  # a call of 10 MB, below
+        "deep": "<tool_call>" + "[" * 10_000 + "]" * 10_000 + "</tool_call>",
+        "unknown": '<tool_call>{"name": "shell", "arguments": {"cmd": "rm -rf /"}}</tool_call>',
+        "import": '<tool_call>{"name": "calculator", "arguments": {"expression": '
+                  '"__import__(\'os\').system(\'touch pwned\')"}}</tool_call>',
+        "many": '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}'
+                '</tool_call>' * 10_000,
+        "power": '<tool_call>{"name": "calculator", "arguments": {"expression": "9**9**9"}}'
+                 '</tool_call>',
+    }
+    turns = Turns(setup, ours, ["q"] * len(hostile))
+    t0 = time.monotonic()
+    replies = [ours.encode(text) + [ours.eos_id] for text in hostile.values() if text]
+    piece = ours.encode("431 * 254 + ")  # ids decode to the concatenation of their texts
+    replies.insert(0, ours.encode('<tool_call>{"name": "calculator", "arguments": '
+                                  '{"expression": "') + piece * (10_000_000 // 12) +
+                   ours.encode('1"}}</tool_call>') + [ours.eos_id])
+    nxt = turns.end_turn(list(range(len(hostile))), replies)
+    assert time.monotonic() - t0 < 60  # bounded: no 9**9**9, no 10 MB parse
+    assert not (tmp_path / "pwned").exists()
+    for (name, _), ids, talk in zip(hostile.items(), nxt, turns.conversations()):
+        answers = [m["content"] for m in talk if m["role"] == "tool"]
+        assert ids is not None and answers, name
+        if name != "many":
+            assert len(answers) == 1 and answers[0].startswith("error:"), (name, answers)
+        assert len(ours.decode(ids)) < 200 * 17 + 1000, name
+    many = [m["content"] for m in turns.conversations()[4] if m["role"] == "tool"]
+    assert many[:16] == ["2"] * 16 and "9984 more calls left out" in many[16]
+    calls, failed, rounds, capped = turns.counts.sum(0).tolist()
+    assert rounds == len(hostile) and capped == 0 and failed == calls - 16  # "many"'s 16 ran
+
+
+def test_a_slow_or_failing_environment_answers_with_an_error_and_the_cap_ends_rows(tmp_path):
+    ours, _ = tokenizers(tmp_path, CHATML)
+
+    class Slow:
+        def reset(self, example):
+            return None
+
+        def step(self, reply):
+            if "slow" in reply:
+                time.sleep(3)
+            if "boom" in reply:
+                raise RuntimeError("the environment broke\nsecond line")
+            return Step([{"role": "tool", "content": "ok"}], done=False, calls=1)
+
+    turns = Turns(ToolSetup(Slow, 1, 0.5, 2), ours, ["a", "b", "c"])
+    first = turns.end_turn([0, 1, 2], [ours.encode(t) + [ours.eos_id]
+                                       for t in ("slow", "boom", "fine")])
+    answers = [talk[-1]["content"] for talk in turns.conversations()]
+    assert answers[0] == "error: no answer within 0.5 s (tool_timeout)"
+    assert answers[1] == "error: the environment broke" and answers[2] == "ok"
+    assert all(ids is not None for ids in first)
+    again = turns.end_turn([2], [ours.encode("fine") + [ours.eos_id]])  # max_rounds 1: capped
+    assert again == [None] and turns.counts[2].tolist() == [2, 0, 1, 1]
+    assert turns.last_replies()[2] == "fine"
+
+
+def test_tool_metrics_and_messages_reach_the_run(tmp_path):
+    """A GRPO run with tools on a tiny Hugging Face model: prompts list the tool, rewards see
+    the conversation, the step's metrics count calls and rounds."""
+    from conftest import metrics, tiny_lm_dir
+
+    from mini_grpo.job import train
+
+    model = tiny_lm_dir(tmp_path / "lm", positions=1024)  # the tool list: ~770 tokens here
+    cfg = tiny(tmp_path / "run", init_from=str(model), tools=json.dumps(["calculator"]),
+               max_steps=2, eval_every=100, max_new_tokens=24, block_size=1024,
+               prompts_per_step=2, group_size=2, save_every=100)
+    train(cfg)
+    rows = [r for r in metrics(tmp_path / "run") if "tools/calls" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["tools/calls"] >= 0 and 0 <= r["tools/capped_frac"] <= 1 for r in rows)
