@@ -146,6 +146,9 @@ class GRPOConfig:
     max_tool_calls: int = opt(4, "rft_data grpo", "1..64")  # rounds of calls answered per row
     tool_timeout: float = opt(10.0, "grpo", "(0, 86400]")  # seconds for one turn's calls
     tool_output_chars: int = opt(2000, "rft_data grpo", "1..1048576")  # a result's length cap
+    # a class whose instances answer each turn of one row (package.module:Class: envs.py's
+    # reset / step); "" = the tool loop of `tools`
+    environment: str = opt("", "sft rft_data resume")
     # 0: from the GPU share; on a CPU, one step's rows
     vllm_kv_cache_gib: float = opt(0.0, "run", "[0, 1e6]")
     # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
@@ -300,9 +303,13 @@ class GRPOConfig:
             _check_rewards(self.rewards)
         if not all(isinstance(t, str) and t for t in self.tools):
             raise ConfigError(f"tools: must be a list of tool names, got {show(self.tools)}")
-        if self.tools and self.mode.startswith("rft"):
-            raise ConfigError(f"tools: RFT keeps single-turn completions for now (mode: "
+        turns = "tools" if self.tools else "environment" if self.environment else ""
+        if turns and self.mode.startswith("rft"):
+            raise ConfigError(f"{turns}: RFT keeps single-turn completions for now (mode: "
                               f"{self.mode}); use mode grpo or sft_grpo")
+        if self.tools and self.environment:
+            raise ConfigError("environment: runs in place of the tool loop; an environment "
+                              "that uses tools calls them itself (set tools: [])")
         if any(t not in TRACKERS for t in self.report_to):
             raise ConfigError(f"report_to: must list only {', '.join(TRACKERS)}, got "
                               f"{show(self.report_to)}")

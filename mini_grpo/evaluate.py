@@ -41,7 +41,7 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     cfg, task, examples = run.cfg, run.task, run.task.eval
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
-    texts, lengths, talks, counts = [], [], [], []
+    texts, lengths, talks, counts, env = [], [], [], [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         r = engine.generate([ex.model_input for ex in chunk], sampling, gen,
@@ -51,9 +51,11 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
         if r.conversations is not None:  # multi-turn
             talks += r.conversations
             counts.append(r.turn_counts.cpu())
+            env += r.env_rewards or []
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
-    res = score(run.scorer, examples, texts, lengths, cfg.max_new_tokens, talks or None)
+    res = score(run.scorer, examples, texts, lengths, cfg.max_new_tokens, talks or None,
+                env or None)
     columns = {"exact": np.asarray(exact_match(prompts, texts, targets, []), dtype=float)}
     if task.eval_columns is not None:
         columns.update(task.eval_columns(examples, texts))

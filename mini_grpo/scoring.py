@@ -345,15 +345,21 @@ class RewardScorer:
 
 
 def score(scorer, examples: list, texts: list[str], lengths: list[int], max_new_tokens: int,
-          conversations: list[list[dict]] | None = None):
+          conversations: list[list[dict]] | None = None,
+          env_rewards: list[float] | None = None):
     """The scorer's result for completions `texts` of `examples` (one each), whose metadata
     gets what sampling knows of each completion: `completion_tokens` (its length),
     `max_new_tokens` (the cap it may have hit) and, for multi-turn rollouts, `messages` (the
     conversation after the prompt: the model's turns, the tools' answers; `texts` holds the
-    last turn). The trainer, evaluation and RFT score here."""
+    last turn). An environment's reward parts (`env_rewards`, summed per row) add to the
+    total as one more column, `env`. The trainer, evaluation and RFT score here."""
     conversations = conversations or [None] * len(examples)
     metas = [{**ex.meta, "completion_tokens": int(n), "max_new_tokens": max_new_tokens,
               **({"messages": c} if c is not None else {})}
              for ex, n, c in zip(examples, lengths, conversations)]
-    return scorer.score([ex.prompt for ex in examples], texts, [ex.target for ex in examples],
-                        metas)
+    res = scorer.score([ex.prompt for ex in examples], texts, [ex.target for ex in examples],
+                       metas)
+    if env_rewards is not None:
+        env = np.asarray(env_rewards, dtype=np.float64)
+        res = ScoreResult(res.total + env, {**res.columns, "env": env}, res.metrics)
+    return res

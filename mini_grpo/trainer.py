@@ -73,7 +73,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
 
         # ---- rewards; the step's record: advantages, global normalisers, micro-batch plan
         res = score(run.scorer, rows, r.texts, r.lengths(), cfg.max_new_tokens,
-                    r.conversations)
+                    r.conversations, r.env_rewards)
         traj = Trajectory.of(r, torch.tensor(res.total, dtype=torch.float32,
                                              device=run.device), cfg, model)
         times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()

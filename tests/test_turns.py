@@ -161,6 +161,9 @@ class Scripted:
     def cut(self, row, ids):
         self.cuts[row] = ids
 
+    def unanswered(self, row):
+        self.cuts[row] = "unanswered"
+
 
 def test_with_no_turn_answered_the_rollout_equals_the_single_turn_one_bit_for_bit():
     m, eos = eos_heavy()
@@ -210,7 +213,7 @@ def test_an_answer_that_does_not_fit_ends_the_row_as_cut_off():
     turns = Scripted(list(range(4, 24)) * 3, rounds=5)  # 60 ids: never fits in 24
     r = generate(m, PROMPTS, 24, eos, 0, turns=turns, generator=torch.Generator().manual_seed(3))
     for g, seen in turns.seen.items():
-        assert not r.finished[g] and len(seen) == 1
+        assert not r.finished[g] and len(seen) == 1 and turns.cuts[g] == "unanswered"
         assert torch.equal(r.model_mask[g], r.completion_mask[g])
 
 
@@ -317,6 +320,9 @@ def test_a_slow_or_failing_environment_answers_with_an_error_and_the_cap_ends_ro
     again = turns.end_turn([2], [ours.encode("fine") + [ours.eos_id]])  # max_rounds 1: capped
     assert again == [None] and turns.counts[2].tolist() == [2, 0, 1, 1]
     assert turns.last_replies()[2] == "fine"
+    turns.unanswered(0)  # its answer did not fit: it never reached the model
+    assert [m["role"] for m in turns.conversations()[0]] == ["assistant"]
+    assert turns.counts[0, 2] == 0
 
 
 def test_tool_metrics_and_messages_reach_the_run(tmp_path):
@@ -334,3 +340,51 @@ def test_tool_metrics_and_messages_reach_the_run(tmp_path):
     rows = [r for r in metrics(tmp_path / "run") if "tools/calls" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["tools/calls"] >= 0 and 0 <= r["tools/capped_frac"] <= 1 for r in rows)
+
+
+def test_the_example_game_answers_each_guess_and_rewards_the_right_one():
+    from examples.guess_number import GuessNumber
+
+    env = GuessNumber()
+    assert env.reset("Game 1") is None
+    secret = env.secret
+    assert GuessNumber().reset("Game 1") is None and 1 <= secret <= 100
+    low = env.step(f"I guess {secret - 1}" if secret > 1 else "0")
+    assert not low.done and "higher" in low.messages[0]["content"]
+    high = env.step(f"{secret + 1}")
+    assert not high.done and "lower" in high.messages[0]["content"]
+    right = env.step(f"It is {secret}.")
+    assert right.done and right.rewards == {"solved": 1.0}
+    assert env.step("no idea").done
+
+
+def test_an_environment_named_in_the_config_answers_turns_and_its_rewards_count(tmp_path):
+    """examples/guess_number.yaml's environment and reward plugin on a tiny model: the
+    environment's reward parts are a column of the total (reward/env), the rounds counted."""
+    from conftest import metrics, tiny_lm_dir
+
+    from mini_grpo.job import train
+
+    model = tiny_lm_dir(tmp_path / "lm")
+    cfg = tiny(tmp_path / "run", init_from=str(model), task="jsonl",
+               data_path="examples/guess_number.jsonl",
+               environment="examples.guess_number:GuessNumber",
+               rewards=json.dumps([{"name": "examples.guess_number:guesses", "weight": 1.0}]),
+               max_steps=2, eval_every=100, max_new_tokens=40, block_size=256,
+               temperature=1.5, prompts_per_step=2, group_size=4, save_every=100)
+    train(cfg)
+    rows = [r for r in metrics(tmp_path / "run") if "reward/env/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the plugin counted the model's turns in the conversation it was given
+        assert r["reward/guesses/mean"] == pytest.approx(-0.05 * (1 + r["tools/rounds"]))
+
+
+def test_an_environment_that_is_not_one_is_refused_by_name():
+    from mini_grpo.engines.turns import environment_class
+    from mini_grpo.fields import ConfigError
+
+    with pytest.raises(ConfigError, match="environment 'examples.guess_number:guesses': must "
+                                          "be a class with reset"):
+        environment_class("examples.guess_number:guesses")
+    with pytest.raises(ConfigError, match="tools: RFT keeps single-turn"):
+        tiny(tools=json.dumps(["calculator"]), mode="rft")

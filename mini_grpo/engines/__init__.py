@@ -36,9 +36,9 @@ def check_engine(cfg, device) -> None:
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and device.type != "cuda":
         raise ConfigError("vllm_sleep: sleep mode gives GPU memory back between rollouts; "
                           "it needs a GPU (this run is on the CPU)")
-    if cfg.tools and cfg.rollout_engine != "native":
-        raise ConfigError("tools: multi-turn rollouts run on the native engine for now "
-                          "(rollout_engine: native)")
+    if (cfg.tools or cfg.environment) and cfg.rollout_engine != "native":
+        raise ConfigError(f"{'tools' if cfg.tools else 'environment'}: multi-turn rollouts "
+                          f"run on the native engine for now (rollout_engine: native)")
 
 
 def make_engine(cfg, model, tok, device, dist, max_len: int | None = None) -> Engine:

@@ -79,6 +79,7 @@ class Rollout:
     model_mask: torch.Tensor | None = None  # (B, N) bool, the model's own tokens: the loss's
     conversations: list[list[dict]] | None = None  # each row's messages after its prompt
     turn_counts: torch.Tensor | None = None  # (B, 4) calls, failed calls, rounds, capped
+    env_rewards: list[float] | None = None  # an environment's reward parts, summed per row
 
     def lengths(self) -> list[int]:
         """Each completion's length in tokens (EOS included)."""

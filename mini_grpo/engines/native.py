@@ -69,6 +69,7 @@ def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list, max_new_tokens:
     r = generate(model, turns.prompt_ids(), max_new_tokens, tokenizer.eos_ids,
                  tokenizer.pad_id, turns=turns, **kw)
     r.texts, r.conversations = turns.last_replies(), turns.conversations()
+    r.env_rewards = turns.env_rewards()
     r.turn_counts = turns.counts.to(r.completion_ids.device)
     return r
 
@@ -231,7 +232,10 @@ def _next_turn(turns: Turns, rows: list[int], at: torch.Tensor, t: int, out, for
             forced[g, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             f_len[g], f_at[g], turn_start[g] = len(ids), 0, t + 1 + len(ids)
         else:
-            cut[g], turn_start[g] = ids is not None, N  # its turns are all told
+            if ids is not None:  # no room left for the answer and a token of its own
+                cut[g] = True
+                turns.unanswered(g)
+            turn_start[g] = N  # its turns are all told
             done[j] = True
 
 

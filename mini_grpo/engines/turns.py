@@ -32,10 +32,14 @@ class ToolSetup:
     max_rounds: int  # the most answered turns per row (max_tool_calls)
     timeout: float  # seconds for one environment step (tool_timeout)
     workers: int  # environment steps at once
+    rewards: bool = False  # the environment's reward parts count (a user's environment)
 
     @classmethod
     def of(cls, cfg) -> ToolSetup | None:
-        """The config's tools as a setup (ToolEnv); None without tools."""
+        """The config's environment, or its tools' loop (ToolEnv); None: single-turn."""
+        if cfg.environment:
+            return cls(environment_class(cfg.environment), cfg.max_tool_calls,
+                       cfg.tool_timeout, cfg.num_reward_workers, rewards=True)
         if not cfg.tools:
             return None
         from ..tools import resolve_tools
@@ -43,6 +47,19 @@ class ToolSetup:
         tools, chars = resolve_tools(cfg.tools), cfg.tool_output_chars
         return cls(lambda: ToolEnv(tools, chars), cfg.max_tool_calls, cfg.tool_timeout,
                    cfg.num_reward_workers)
+
+
+def environment_class(name: str) -> Callable[[], Environment]:
+    """The class `package.module:Class` names, checked for reset and step (a ConfigError)."""
+    from ..fields import ConfigError
+    from ..rewards.registry import import_callable
+
+    cls = import_callable(name, "environment")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if not callable(cls) or missing:
+        raise ConfigError(f"environment {name!r}: must be a class with reset(prompt) and "
+                          f"step(reply) methods" + (f" (no {missing[0]})" if missing else ""))
+    return cls
 
 
 class Turns:
@@ -59,6 +76,7 @@ class Turns:
                 h[:] = tok.messages_of(first)
         self.start = [len(h) for h in self.history]  # where each row's own turns begin
         self.counts = torch.zeros(len(prompts), 4)  # calls, failed calls, rounds, capped
+        self.rewards = torch.zeros(len(prompts), dtype=torch.float64)  # reward parts, summed
 
     def prompt_ids(self) -> list[list[int]]:
         return [self.tok.encode(self.tok.render(h)) for h in self.history]
@@ -74,6 +92,7 @@ class Turns:
             c = self.counts[g]
             c[0] += st.calls
             c[1] += st.failed
+            self.rewards[g] += _reward_sum(st.rewards)
             if st.done or not st.messages:
                 out.append(None)
             elif c[2] >= self.setup.max_rounds:
@@ -84,6 +103,18 @@ class Turns:
                 out.append(self.tok.continuation(history, st.messages, ids[-1]))
                 history += st.messages
         return out
+
+    def env_rewards(self) -> list[float] | None:
+        """Each row's reward parts, summed over its turns (None: they do not count)."""
+        return self.rewards.tolist() if self.setup.rewards else None
+
+    def unanswered(self, row: int) -> None:
+        """Row `row`'s last answer did not fit its tokens left: it never reached the model, so
+        it leaves the conversation (and its round the count); the row is cut off."""
+        history = self.history[row]
+        while len(history) > self.start[row] and history[-1]["role"] != "assistant":
+            history.pop()
+        self.counts[row, 2] -= 1
 
     def cut(self, row: int, ids: list[int]) -> None:
         """Row `row` ran out of tokens in its turn `ids` (its last message, unfinished)."""
@@ -117,3 +148,15 @@ class Turns:
         """Each row's last message of its own (the answer a reward reads)."""
         return [next((m["content"] for m in reversed(h[s:]) if m["role"] == "assistant"), "")
                 for h, s in zip(self.history, self.start)]
+
+
+def _reward_sum(parts) -> float:
+    """A step's reward parts, summed; each must be a finite number (a ValueError names the
+    bad one: an environment's bug ends the run, as a reward plugin's would)."""
+    total = 0.0
+    for name, v in dict(parts).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= 1e12:
+            raise ValueError(f"environment: a step's reward part {str(name)[:40]!r} is "
+                             f"{str(v)[:40]!r}; each must be a finite number within +-1e12")
+        total += float(v)
+    return total
