@@ -9,7 +9,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 CONFIG ?= default
 VLLM   ?= 0
 
-.PHONY: setup model lm-job train test lint bench clean
+.PHONY: setup model lm-job calculator-job train test lint bench clean
 
 setup: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 
@@ -28,6 +28,9 @@ model: setup
 # the LM job: SmolLM2-135M-Instruct, RFT then GRPO on numeric questions (configs/smollm2_numeric)
 lm-job: model
 	$(PY) distributed_train.py --config smollm2_numeric
+
+calculator-job: model
+	$(PY) distributed_train.py --config smollm2_calculator
 
 train: setup
 	$(PY) distributed_train.py --config $(CONFIG)

@@ -29,17 +29,25 @@ def shard(items: list, rank: int, world_size: int) -> list:
     return items[rank * n // world_size:(rank + 1) * n // world_size]
 
 
-def sft_batch(tok: Tokenizer, pairs: list[tuple[str | list[dict], str]], device=None):
+def sft_batch(tok: Tokenizer, pairs: list[tuple[str | list[dict], str | list[dict]]],
+              device=None):
     """(prompt, target) pairs -> (idx (B, T), targets (B, T)), right-padded.
 
     The model reads BOS + prompt + target and is trained to predict target + EOS only:
-    targets are -1 (ignored) on prompt positions and padding.
+    targets are -1 (ignored) on prompt positions and padding. A target that is a list of
+    messages is a multi-turn demonstration (tok.encode_conversation): the model is trained
+    on its own messages, not on the tools' answers between them.
     """
     rows, labels = [], []
     for prompt, target in pairs:
-        p = tok.encode_prompt(prompt)
-        t = tok.encode(target, eos=True)
-        seq = p + t
+        if isinstance(target, list):
+            seq, own = tok.encode_conversation(prompt, target)
+            p = seq[:len(seq) - len(own)]
+            t = [i if mine else -1 for i, mine in zip(seq[len(p):], own)]
+        else:
+            p = tok.encode_prompt(prompt)
+            t = tok.encode(target, eos=True)
+            seq = p + t
         rows.append(seq[:-1])
         labels.append([-1] * (len(p) - 1) + t)
     T = max(map(len, rows))

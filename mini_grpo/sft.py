@@ -86,7 +86,7 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
 
     Defaults: the task's training split, cfg.sft_steps at cfg.sft_lr, into <out_dir>/sft.
     The RFT stage passes its accepted rows instead; a row with a "completion" in its metadata
-    is trained on that completion, else on its target.
+    is trained on that completion, else on its demonstration (`_sft_target`) or target.
     """
     cfg, dist, model = run.cfg, run.dist, run.model
     examples = run.task.train if examples is None else examples
@@ -103,11 +103,12 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
         return amp and bool(ckpt.get("guard", {}).get("amp", True))
     state = TrainState(run, base_lr, steps, min(cfg.warmup_steps * 5, steps // 10), amp=amp,
                        tag=tag)
+    multi_turn = bool(cfg.tools or cfg.environment)
     model.train()
     t0, tokens = time.perf_counter(), 0
     for step in range(1, steps + 1):
         idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)
-        pairs = [(examples[i].model_input, examples[i].meta.get("completion", examples[i].target))
+        pairs = [(examples[i].model_input, _sft_target(examples[i], multi_turn))
                  for i in shard(idx, dist.rank, dist.world_size)]
         x, y = sft_batch(run.tok, pairs, run.device)
         lr = state.begin(step)
@@ -131,6 +132,17 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     path = state.save(steps, optimizer=False, directory=directory, keep=1)
     run.print0(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
     return state.guard.amp
+
+
+def _sft_target(ex, multi_turn: bool) -> str | list[dict]:
+    """What SFT trains a row on: the completion RFT accepted, or a multi-turn demonstration
+    (meta "conversation": the task's, e.g. calculator's) where the run has tools or an
+    environment, else the target."""
+    if "completion" in ex.meta:
+        return ex.meta["completion"]
+    if multi_turn and isinstance(ex.meta.get("conversation"), list):
+        return ex.meta["conversation"]
+    return ex.target
 
 
 def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:

@@ -266,6 +266,36 @@ class HFTokenizer:
             closing = closing[len(said):]
         return self.encode(closing + after[len(before):])
 
+    def encode_conversation(self, prompt: str | list[dict],
+                            conversation: list[dict]) -> tuple[list[int], list[bool]]:
+        """A multi-turn demonstration as a rollout would hold it: the prompt's ids, then each
+        of the model's messages (`assistant`) as its text and EOS, and whatever answers it
+        (tool results, an environment's messages) as `continuation` renders it; with a flag
+        per id after the prompt: the model's own (trained on) or not."""
+        if not conversation or conversation[0].get("role") != "assistant" or \
+                conversation[-1].get("role") != "assistant":
+            raise ValueError("conversation: must open and end with the model's (assistant) "
+                             "message")
+        history, ids = self.messages_of(prompt), self.encode_prompt(prompt)
+        own: list[bool] = []
+        i = 0
+        while i < len(conversation):
+            m = conversation[i]
+            if m.get("role") == "assistant":
+                part = self.encode(str(m.get("content", ""))) + [self.eos_id]
+                history.append(m)
+                i += 1
+            else:
+                j = i
+                while j < len(conversation) and conversation[j].get("role") != "assistant":
+                    j += 1
+                part = self.continuation(history, conversation[i:j], self.eos_id)
+                history += conversation[i:j]
+                i = j
+            ids += part
+            own += [m.get("role") == "assistant"] * len(part)
+        return ids, own
+
     def _id(self, text: str | None) -> int | None:
         return None if text is None else self.tk.token_to_id(text)
 

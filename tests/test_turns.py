@@ -388,3 +388,66 @@ def test_an_environment_that_is_not_one_is_refused_by_name():
         environment_class("examples.guess_number:guesses")
     with pytest.raises(ConfigError, match="tools: RFT keeps single-turn"):
         tiny(tools=json.dumps(["calculator"]), mode="rft")
+
+
+def test_a_demonstration_trains_the_model_s_messages_only(tmp_path):
+    """sft_batch on a multi-turn demonstration: the row is the conversation as the rollout
+    would hold it (it decodes to transformers' rendering), and only the model's messages and
+    their EOS carry labels."""
+    from mini_grpo.data import sft_batch
+
+    ours, hf = tokenizers(tmp_path, QWEN25)
+    talk = [{"role": "assistant", "content": CALL},
+            {"role": "tool", "name": "calculator", "content": "109474"},
+            {"role": "assistant", "content": "<answer>109474</answer>"}]
+    x, y = sft_batch(ours, [("What is 431 * 254?", talk), ("What is 2 * 3?", "<answer>6</answer>")])
+    row = x[0].tolist() + [y[0, -1].item()]
+    whole = hf.apply_chat_template([{"role": "user", "content": "What is 431 * 254?"}, *talk],
+                                   tools=[calculator], tokenize=False)
+    assert ours.tk.decode(row, skip_special_tokens=False) + "\n" == whole
+    labelled = ours.tk.decode([t for t in y[0].tolist() if t >= 0], skip_special_tokens=False)
+    assert labelled == CALL + "<|im_end|><answer>109474</answer><|im_end|>"
+    short = [t for t in y[1].tolist() if t >= 0]
+    assert ours.tk.decode(short, skip_special_tokens=False) == "<answer>6</answer><|im_end|>"
+    with pytest.raises(ValueError, match="conversation: must open and end"):
+        sft_batch(ours, [("q", talk[:2])])
+
+
+def test_the_calculator_task_s_demonstrations_are_right_and_its_split_is_clean():
+    from mini_grpo.rewards.answers import numeric_answer
+
+    cfg = tiny(task="calculator", task_args=json.dumps({"num_train": 600}), num_eval=60)
+    from mini_grpo.tasks import build_task
+
+    data = build_task(cfg)
+    assert {ex.prompt for ex in data.train}.isdisjoint(ex.prompt for ex in data.eval)
+    rows = data.train + data.eval
+    answers = [ex.meta["conversation"][-1]["content"] for ex in rows]
+    assert numeric_answer([], answers, [ex.target for ex in rows], [ex.meta for ex in rows]) \
+        == [1.0] * len(rows)
+    for ex in rows:  # the demonstration's tool answer is the calculator's own
+        call = json.loads(ex.meta["conversation"][0]["content"].split("\n")[1])
+        assert calculator(**call["arguments"]) == ex.meta["conversation"][1]["content"]
+    kinds = [ex.meta["kind"] for ex in data.train]
+    assert 0.4 < kinds.count("mul3") / len(kinds) < 0.6  # weights 2 : 1 : 1
+    assert build_task(cfg).train[0].prompt == data.train[0].prompt  # from the seed
+    with pytest.raises(Exception, match="task_args.weights: one positive number per kind"):
+        tiny(task="calculator", task_args=json.dumps({"kinds": ["mul3"]}))
+
+
+def test_sft_on_demonstrations_then_grpo_with_tools_runs(tmp_path):
+    """The calculator job's path on a tiny model: SFT on the task's demonstrations (tool
+    tokens unlabelled), then GRPO with the tool."""
+    from conftest import metrics, tiny_lm_dir
+
+    from mini_grpo.job import train
+
+    model = tiny_lm_dir(tmp_path / "lm", positions=1024)
+    cfg = tiny(tmp_path / "run", init_from=str(model), task="calculator", mode="sft_grpo",
+               task_args=json.dumps({"num_train": 64}), tools=json.dumps(["calculator"]),
+               sft_steps=3, sft_batch_size=4, max_steps=2, eval_every=100, max_new_tokens=40,
+               block_size=1024, prompts_per_step=2, group_size=2, save_every=100)
+    train(cfg)
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "sft/loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "tools/calls" in r] == [1, 2]

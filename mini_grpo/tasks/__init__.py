@@ -14,9 +14,11 @@ policy must beat (chess: the start position). evaluate.py knows no task by name.
     jsonl       any {"prompt", "target"} rows from `data_path` (tasks/jsonl.py)
     numeric     unit conversions and short arithmetic with numeric answers, for pretrained
                 chat models (tasks/numeric.py)
+    calculator  3-digit products, mixed arithmetic and awkward unit conversions, each with a
+                demonstration of the calculator tool's use (tasks/calculator.py)
 
 With `data_path` set, every task reads its rows from that file instead of making its own.
-Importing this package registers the four; task_registry imports it on the first lookup.
+Importing this package registers the five; task_registry imports it on the first lookup.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mini_grpo.task_registry import get_task
-from mini_grpo.tasks import chess_fen, countdown, jsonl, numeric
+from mini_grpo.tasks import calculator, chess_fen, countdown, jsonl, numeric
 from mini_grpo.tasks.base import Example, TaskData, split_held_out
 from mini_grpo.tasks.jsonl import load_jsonl
 
@@ -37,5 +39,5 @@ def build_task(cfg: GRPOConfig) -> TaskData:
     return task.build(cfg, task.Args(**cfg.task_args))
 
 
-__all__ = ["Example", "TaskData", "build_task", "chess_fen", "countdown", "jsonl", "load_jsonl",
-           "numeric", "split_held_out"]
+__all__ = ["Example", "TaskData", "build_task", "calculator", "chess_fen", "countdown", "jsonl",
+           "load_jsonl", "numeric", "split_held_out"]

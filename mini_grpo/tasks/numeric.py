@@ -151,15 +151,22 @@ def make_example(q: str, answer: Fraction, kind: str, instruction: str) -> Examp
                    {"kind": kind, "answer": text})
 
 
-def generate(rng: random.Random, count: int, args: Args, exclude: set,
-             distinct: bool) -> list[Example]:
+def numeric_example(rng: random.Random, kind: str, args: Args) -> Example:
+    return make_example(*question(rng, kind), kind, args.instruction)
+
+
+def generate(rng: random.Random, count: int, args, exclude: set, distinct: bool,
+             example=numeric_example) -> list[Example]:
+    """`count` examples of `args.kinds` (drawn uniformly, or by `args.weights` where it has
+    them), each made by `example(rng, kind, args)`."""
     out: list[Example] = []
     seen: set = set()
     for _ in range(TRIES_PER_QUESTION * count + 1000):
         if len(out) == count:
             break
-        kind = rng.choice(args.kinds)
-        ex = make_example(*question(rng, kind), kind, args.instruction)
+        weights = getattr(args, "weights", None)
+        kind = rng.choices(args.kinds, weights)[0] if weights else rng.choice(args.kinds)
+        ex = example(rng, kind, args)
         if ex.prompt in exclude or (distinct and ex.prompt in seen):
             continue
         seen.add(ex.prompt)
@@ -167,13 +174,17 @@ def generate(rng: random.Random, count: int, args: Args, exclude: set,
     return out
 
 
-def generate_split(num_eval: int, args: Args, seed: int) -> tuple[list[Example], list[Example]]:
+def generate_split(num_eval: int, args, seed: int,
+                   example=numeric_example) -> tuple[list[Example], list[Example]]:
+    """(train, held-out): the held-out questions drawn first, distinct; no training question
+    repeats one."""
     rng = random.Random(seed)
-    held = generate(rng, num_eval, args, set(), distinct=True)
+    held = generate(rng, num_eval, args, set(), distinct=True, example=example)
     if len(held) < num_eval:
         raise ConfigError(f"num_eval: found only {len(held)} distinct questions of the kinds "
                           f"{args.kinds}; lower num_eval")
-    train = generate(rng, args.num_train, args, {ex.prompt for ex in held}, distinct=False)
+    train = generate(rng, args.num_train, args, {ex.prompt for ex in held}, distinct=False,
+                     example=example)
     if len(train) < args.num_train:
         raise ConfigError("task_args.num_train: too few questions outside the held-out ones; "
                           "lower num_eval or num_train")
