@@ -1,15 +1,16 @@
 """What the LM job costs on this machine: wall time, peak resident memory, and where the time
-goes, from one run of configs/smollm2_numeric (nothing else heavy beside it):
+goes, from one run of configs/smollm2_numeric (or `--config smollm2_calculator`, the
+calculator job; nothing else heavy beside it):
 
     .venv/bin/python bench/lm_job_cost.py --out_dir runs/smollm2_numeric_cost \\
         --json bench/lm_job_cost_<cpu>.json [-- extra options for distributed_train.py]
 
 The job runs as a child process (its output passes through); the peak is the child's maximum
 RSS (wait4), and each phase's end is the moment its closing line appeared: the base model's
-evaluation, RFT's generation, its SFT steps, the GRPO steps (with the evaluation after RFT
-before them), the final evaluation. GRPO's
-per-step figures (median time, generation, policy pass; RSS after each step) come from
-metrics.jsonl, the accuracies from eval.json.
+evaluation, an SFT stage, RFT's generation, its SFT steps, the GRPO steps (with the
+evaluation after RFT before them), the final evaluation. GRPO's per-step figures (median
+time, generation, policy pass; RSS after each step) come from metrics.jsonl, the accuracies
+from eval.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the line that closes each phase, in the order they run
 PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
+          ("sft", re.compile(r"^\[sft\] done in")),
           ("rft_generation", re.compile(r"^\[rft\] \d+/\d+ prompts with an accepted")),
           ("rft_sft", re.compile(r"^\[rft\] done in")),
           ("grpo", re.compile(r"^step (\d+)/\1 ")),
@@ -37,9 +39,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out_dir", required=True, help="the job's out_dir (new or its own)")
     ap.add_argument("--json", default="", help="write the figures here")
+    ap.add_argument("--config", default="smollm2_numeric", help="the job's config")
     ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
     a = ap.parse_args()
-    args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", "smollm2_numeric",
+    args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", a.config,
             f"--out_dir={a.out_dir}", *a.extra]
     t0 = time.perf_counter()
     ends: dict[str, float] = {}
@@ -62,10 +65,9 @@ def main() -> int:
         return round(statistics.median(r[key] for r in steps[1:] or steps), 2)
 
     phases, start = {}, 0.0
-    for name, _ in PHASES:
-        if name in ends:
-            phases[name] = round(ends[name] - start, 1)
-            start = ends[name]
+    for name in sorted(ends, key=ends.get):  # in the order they ran (sft_grpo: SFT first)
+        phases[name] = round(ends[name] - start, 1)
+        start = ends[name]
     ev = json.loads((out / "eval.json").read_text())
     from mini_grpo.dtype_probe import cpu_name
     result = {"cpu": cpu_name(), "args": a.extra, "wall_s": round(wall, 1),

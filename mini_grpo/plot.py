@@ -3,7 +3,8 @@
     python -m mini_grpo.plot runs/smollm2_numeric        # also written at the end of each run
 
 GRPO's mean training reward per step (light) and its moving average (dark), and the held-out
-evaluations' rewards (greedy and sampled) at the steps they ran, with their standard errors.
+evaluations' rewards (greedy and sampled) at the steps they ran, with their standard errors;
+in a multi-turn run, the tool calls per rollout on a second axis.
 SFT and RFT stages log under their own prefixes and are not drawn. matplotlib draws it; a run
 without matplotlib says so once and goes on (TensorBoard has the same curves).
 """
@@ -17,10 +18,12 @@ from pathlib import Path
 SMOOTH = 10  # steps in the moving average
 
 
-def read_metrics(path: Path) -> tuple[dict, dict]:
+def read_metrics(path: Path, calls: dict | None = None) -> tuple[dict, dict]:
     """({step: train reward}, {"greedy"/"sampled": {step: (reward, se)}}) of metrics.jsonl;
-    a resumed run's later rows replace earlier ones of the same step."""
+    a resumed run's later rows replace earlier ones of the same step. `calls`, if given, is
+    filled with {step: tool calls per rollout} (multi-turn runs)."""
     train, evals = {}, {"greedy": {}, "sampled": {}}
+    calls = {} if calls is None else calls
     with open(path) as f:
         for line in f:
             try:
@@ -32,6 +35,8 @@ def read_metrics(path: Path) -> tuple[dict, dict]:
                 continue
             if isinstance(row.get("reward/mean"), float):
                 train[step] = row["reward/mean"]
+            if isinstance(row.get("tools/calls"), float):
+                calls[step] = row["tools/calls"]
             for mode in evals:
                 r, se = row.get(f"eval_{mode}/reward"), row.get(f"eval_{mode}/reward_se")
                 if isinstance(r, float):
@@ -53,7 +58,8 @@ def plot_rewards(out_dir: str | Path) -> Path | None:
     metrics = out_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None
-    train, evals = read_metrics(metrics)
+    calls: dict = {}
+    train, evals = read_metrics(metrics, calls)
     if not train and not any(evals.values()):
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
@@ -75,7 +81,17 @@ def plot_rewards(out_dir: str | Path) -> Path | None:
     ax.set_ylabel("reward")
     ax.set_title(out_dir.name)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    handles, labels = ax.get_legend_handles_labels()
+    if calls:  # multi-turn: tool calls per rollout, on an axis of their own
+        right = ax.twinx()
+        steps = sorted(calls)
+        right.plot(steps, [calls[s] for s in steps], color="tab:green", linewidth=1.5,
+                   label="tool calls per rollout")
+        right.set_ylabel("tool calls per rollout")
+        right.set_ylim(bottom=0)
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="lower right")
     fig.tight_layout()
     path = out_dir / "reward.png"
     tmp = path.with_name(".reward.png.tmp")

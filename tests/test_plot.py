@@ -22,3 +22,13 @@ def test_reads_train_and_eval_rewards_and_draws_a_png(tmp_path):
     png = plot_rewards(tmp_path)
     assert png == tmp_path / "reward.png" and png.read_bytes()[:4] == b"\x89PNG"
     assert plot_rewards(tmp_path / "missing") is None
+
+
+def test_a_multi_turn_run_draws_its_tool_calls_too(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": s, "reward/mean": 0.1 * s, "tools/calls": 0.5 + 0.1 * s} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls: dict = {}
+    train, _ = read_metrics(tmp_path / "metrics.jsonl", calls)
+    assert train == {1: 0.1, 2: 0.2} and calls == {1: 0.6, 2: 0.7}
+    assert plot_rewards(tmp_path).read_bytes()[:4] == b"\x89PNG"

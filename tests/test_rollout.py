@@ -268,3 +268,32 @@ def test_rows_that_ended_drop_out_of_the_batch_and_the_rest_sample_as_alone():
             assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0].tolist()
             torch.testing.assert_close(batch.logprobs[i, :n], alone.logprobs[0], rtol=0,
                                        atol=1e-5)
+
+
+def test_a_prefix_every_prompt_shares_is_computed_once_with_the_same_result():
+    """Prompts that open alike (a system prompt, a tool list) have that part computed once,
+    laid out before their own tokens: each row samples as it would alone, and the log-probs
+    are those of the training pass over the rollout's layout."""
+    from mini_grpo.engines import native
+
+    m = tiny_gpt()
+    head = [1] + [4 + (i * 7) % 19 for i in range(20)]  # 21 shared tokens
+    prompts = [head + [5, 6, 7], head + [8], head + [9, 10, 11, 12, 13], head + [8]]
+    assert native._shared_prefix(prompts) == 21
+    assert native._shared_prefix([head, head + [3]]) == 20  # each keeps a token of its own
+    assert native._shared_prefix([[1, 2, 3], [1, 2, 4]]) == 0  # too short to bother
+    batch = generate(m, prompts, 12, EOS, PAD, greedy=True)
+    assert batch.prompt_mask[:, :21].all()  # the shared part first, padding after it
+    for i, p in enumerate(prompts):
+        alone = generate(m, [p], 12, EOS, PAD, greedy=True)
+        n = alone.completion_ids.size(1)
+        assert batch.completion_ids[i, :n].tolist() == alone.completion_ids[0].tolist()
+        torch.testing.assert_close(batch.logprobs[i, :n], alone.logprobs[0], rtol=0, atol=1e-5)
+    r = generate(m, prompts, 12, EOS, PAD, generator=torch.Generator().manual_seed(1))
+    lp = completion_logprobs(m, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                             r.completion_mask)
+    torch.testing.assert_close(lp, r.logprobs, rtol=0, atol=1e-5)
+    # and the no-cache path, which never shares, samples the same tokens
+    again = generate(m, prompts, 12, EOS, PAD, generator=torch.Generator().manual_seed(1),
+                     use_cache=False)
+    assert torch.equal(again.completion_ids, r.completion_ids)

@@ -4,9 +4,11 @@
     r = sample(model, tok, ["2+3="], 16)                   # text in, texts out
     engine = NativeEngine(model, tok); engine.generate(prompts, Sampling(16), generator)
 
-Prompts of different lengths are left-padded; every real token gets the absolute position it
-would have alone, both while sampling and in `logprobs.completion_logprobs`, so the log-probs
-recorded at sampling time equal those of the training forward pass (up to float rounding).
+Prompts of different lengths are left-padded (after the tokens all of them share, if there
+are SHARED_PREFIX_MIN of them: a system prompt, a tool list, computed once); every real token
+gets the absolute position it would have alone, both while sampling and in
+`logprobs.completion_logprobs`, so the log-probs recorded at sampling time equal those of
+the training forward pass (up to float rounding).
 
 Log-probs are those of the sampling distribution before top-k/top-p truncation:
 log_softmax(logits / temperature). Re-scoring uses the same temperature (the Rollout's
@@ -18,6 +20,7 @@ sample from uniform logits instead and the Rollout says so (`nonfinite`), for th
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -122,7 +125,8 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     is answered, the rollout equals the one without `turns` bit for bit.
     """
     device = model.lm_head.weight.device
-    ids, pmask = pad_left(prompts, pad_id, device)  # (B, P)
+    shared = _shared_prefix(prompts) if use_cache else 0
+    ids, pmask = _layout(prompts, pad_id, device, shared)  # (B, P)
     B, P = ids.shape
     N = max_new_tokens
     if P + N > model.cfg.block_size:
@@ -160,7 +164,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     # and prepacked once (models/packed.py: all of them in bf16, the LM head in fp32)
     with _casts_cached(model, amp), packed(model, cache_dtype or model.lm_head.weight.dtype,
                                            rows=B):
-        logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, pad_id)
+        logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, shared)
         steps = 0
         bad = torch.zeros((), dtype=torch.bool, device=device)
         for t in range(N):
@@ -257,20 +261,58 @@ def _casts_cached(model: CausalLM, amp: bool):
             p.requires_grad_(False)
 
 
-def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, pad_id):
+SHARED_PREFIX_MIN = 16  # tokens all prompts must share before they are computed once
+
+
+def _shared_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares (a system prompt, a tool list), leaving
+    each at least one of its own; 0 below SHARED_PREFIX_MIN or for one prompt."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)
+    return n if n >= SHARED_PREFIX_MIN else 0
+
+
+def _layout(prompts: list[list[int]], pad_id: int, device, shared: int):
+    """(ids (B, P), mask (B, P)): the prompts left-padded; with `shared` leading tokens in
+    common, those first in every row and the rest left-padded after them (padding in the
+    middle: positions and masks follow the real tokens, so what each token sees is the same,
+    and the shared part's keys and values are one computation)."""
+    if not shared:
+        return pad_left(prompts, pad_id, device)
+    ids, mask = pad_left([p[shared:] for p in prompts], pad_id, device)
+    head = torch.tensor(prompts[0][:shared], dtype=torch.long, device=device)
+    return (torch.cat([head.expand(len(prompts), shared), ids], 1),
+            torch.cat([torch.ones((len(prompts), shared), dtype=torch.bool, device=device),
+                       mask], 1))
+
+
+def _prefill(model: CausalLM, prompts, ids, pmask, pos, cache, shared: int = 0):
     """The prompts' forward pass: fills the cache, returns the logits of each row's last
     prompt token (B, 1, V). Rows that repeat a prompt (a GRPO group, RFT's oversampling) are
-    computed once and their keys/values copied: 16 prompts x 8 rows cost 16 rows of work."""
+    computed once and their keys/values copied: 16 prompts x 8 rows cost 16 rows of work. The
+    first `shared` columns, the same in every row (_layout), are computed once for all."""
     P = ids.size(1)
+    if cache is None:
+        return model(ids, pos, attention_mask(pmask, P), None, logits_from=P - 1)
     slot: dict[tuple, int] = {}
     inv = [slot.setdefault(tuple(p), len(slot)) for p in prompts]
-    if cache is None or len(slot) == len(prompts):
-        return model(ids, pos, attention_mask(pmask, P), cache, logits_from=P - 1)
-    u_ids, u_mask = pad_left([list(p) for p in slot], pad_id, ids.device)  # same width P
-    part = model.new_cache(len(slot), P, dtype=cache.k.dtype)
-    logits = model(u_ids, positions(u_mask), attention_mask(u_mask, P), part, logits_from=P - 1)
-    rows = torch.tensor(inv, device=ids.device)
-    cache.k[:, :, :, :P] = part.k[:, rows]
-    cache.v[:, :, :, :P] = part.v[:, rows]
+    rows = [inv.index(u) for u in range(len(slot))]  # a row of each distinct prompt
+    part = cache if len(slot) == len(prompts) else \
+        model.new_cache(len(slot), P, dtype=cache.k.dtype)
+    if shared:
+        head = model.new_cache(1, shared, dtype=cache.k.dtype)
+        model(ids[:1, :shared], pos[:1, :shared], attention_mask(pmask[:1, :shared], shared),
+              head, logits_from=shared - 1)
+        part.k[:, :, :, :shared] = head.k
+        part.v[:, :, :, :shared] = head.v
+        part.len = shared
+    logits = model(ids[rows, shared:], pos[rows, shared:], attention_mask(pmask[rows], P - shared),
+                   part, logits_from=P - shared - 1)
+    if part is cache:
+        return logits
+    back = torch.tensor(inv, device=ids.device)
+    cache.k[:, :, :, :P] = part.k[:, back]
+    cache.v[:, :, :, :P] = part.v[:, back]
     cache.len = P
-    return logits[rows]
+    return logits[back]
