@@ -20,8 +20,8 @@ Rows: the base model without and with tools; after SFT (the runs' "before": SFT 
 demonstrations, or on the bare answers without tools); trained (SFT, then GRPO: the runs'
 "after", the same steps). Columns: greedy accuracy (`correct`) with its standard error on
 3-digit products, on the other kinds and on all, and tool calls per question. Then the
-trained model's gain from the tool on 3-digit products, in points and in standard errors of
-the difference.
+trained model's gain from the tool on 3-digit products and on all questions, in points and
+in standard errors of the difference (Agresti-Coull's: see `accuracy`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ KINDS = ("mul3", "mixed", "convert")
 
 
 def accuracy(ev: dict, kind: str = "") -> tuple[float, float, int]:
-    """(correct, its standard error, n) of a greedy evaluation, over one kind or all."""
+    """(correct, its standard error, n) of a greedy evaluation, over one kind or all. The
+    standard error is Agresti-Coull's (two successes and two failures added): a count of 0 or
+    of n has none of its own, and the plain one would call it certain."""
     key = f"{kind}/" if kind else ""
     p, n = ev[f"{key}correct"], int(ev[f"{key}n"])
-    return p, math.sqrt(max(p * (1 - p), 0.0) / n), n
+    q = (p * n + 2) / (n + 4)
+    return p, math.sqrt(q * (1 - q) / (n + 4)), n
 
 
 def main() -> None:
@@ -73,14 +76,19 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(
             f"{100 * p:.1f}% ± {100 * se:.1f} (n={n})" for p, se, n in cells.values()) +
             f" | {ev.get('tools/calls', 0.0):.2f} |")
-    (p1, se1, _), (p0, se0, _) = (accuracy(rows["trained, with tools"], "mul3"),
-                                  accuracy(rows["trained, no tools"], "mul3"))
-    gain = {"points": 100 * (p1 - p0), "standard_errors": (p1 - p0) / math.hypot(se1, se0)}
-    lines.append(f"\nThe tool's gain on 3-digit products, trained: {gain['points']:+.1f} points, "
-                 f"{gain['standard_errors']:.1f} standard errors of the difference.")
+    gain = {}
+    for kind in ("mul3", ""):
+        (p1, se1, n), (p0, se0, _) = (accuracy(rows["trained, with tools"], kind),
+                                      accuracy(rows["trained, no tools"], kind))
+        gain[kind or "all"] = {"points": 100 * (p1 - p0), "n": n,
+                               "standard_errors": (p1 - p0) / math.hypot(se1, se0)}
+        lines.append(f"The tool's gain, trained, on {'3-digit products' if kind else 'all'} "
+                     f"(n={n}): {100 * (p1 - p0):+.1f} points, "
+                     f"{gain[kind or 'all']['standard_errors']:.1f} standard errors of the "
+                     f"difference.")
     print("\n".join(lines))
     if a.out:
-        Path(a.out).write_text(json.dumps({"cpu": cpu_name(), "rows": table, "gain_mul3": gain,
+        Path(a.out).write_text(json.dumps({"cpu": cpu_name(), "rows": table, "gain": gain,
                                            "runs": [a.tools, a.notools, a.base_tools, a.base]},
                                           indent=2) + "\n")
 
