@@ -29,12 +29,13 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from mini_grpo.fields import ConfigError
-from mini_grpo.task_registry import MAX_GENERATED, register
+from mini_grpo.task_registry import register
 from mini_grpo.tasks.base import Example, TaskData
 from mini_grpo.tasks.numeric import (
     ALPHABET,
     DEFAULT_REWARDS,
     INSTRUCTION,
+    check_args,
     correct_column,
     first_number,
     generate_split,
@@ -65,18 +66,11 @@ class Args:
     instruction: str = INSTRUCTION  # after each question ("" for none)
 
     def check(self) -> None:
-        if not self.kinds or not all(isinstance(k, str) and k in KINDS for k in self.kinds):
-            raise ConfigError(f"task_args.kinds: must be a non-empty list of {', '.join(KINDS)}, "
-                              f"got {self.kinds!r}")
+        check_args(self, KINDS)
         if len(self.weights) != len(self.kinds) or not all(
                 isinstance(w, (int, float)) and 0 < w < 1e6 for w in self.weights):
             raise ConfigError(f"task_args.weights: one positive number per kind "
                               f"({len(self.kinds)}), got {self.weights!r}")
-        if not 0 < self.num_train <= MAX_GENERATED:
-            raise ConfigError(f"task_args.num_train: must be in 1..{MAX_GENERATED:,}, "
-                              f"got {self.num_train}")
-        if len(self.instruction) > 1000:
-            raise ConfigError("task_args.instruction: at most 1000 characters")
 
 
 def question(rng: random.Random, kind: str) -> tuple[str, str, Fraction]:

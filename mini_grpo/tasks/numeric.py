@@ -77,14 +77,20 @@ class Args:
     instruction: str = INSTRUCTION  # after each question ("" for none)
 
     def check(self) -> None:
-        if not self.kinds or not all(isinstance(k, str) and k in KINDS for k in self.kinds):
-            raise ConfigError(f"task_args.kinds: must be a non-empty list of {', '.join(KINDS)}, "
-                              f"got {self.kinds!r}")
-        if not 0 < self.num_train <= MAX_GENERATED:
-            raise ConfigError(f"task_args.num_train: must be in 1..{MAX_GENERATED:,}, "
-                              f"got {self.num_train}")
-        if len(self.instruction) > 1000:
-            raise ConfigError("task_args.instruction: at most 1000 characters")
+        check_args(self, KINDS)
+
+
+def check_args(args, kinds: tuple[str, ...]) -> None:
+    """The options a generated-questions task shares: `kinds` among `kinds`, `num_train`,
+    `instruction` (a ConfigError naming the key)."""
+    if not args.kinds or not all(isinstance(k, str) and k in kinds for k in args.kinds):
+        raise ConfigError(f"task_args.kinds: must be a non-empty list of {', '.join(kinds)}, "
+                          f"got {args.kinds!r}")
+    if not 0 < args.num_train <= MAX_GENERATED:
+        raise ConfigError(f"task_args.num_train: must be in 1..{MAX_GENERATED:,}, "
+                          f"got {args.num_train}")
+    if len(args.instruction) > 1000:
+        raise ConfigError("task_args.instruction: at most 1000 characters")
 
 
 def show(x: Fraction) -> str:
