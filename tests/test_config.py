@@ -266,8 +266,8 @@ def test_a_wrong_task_arg_names_the_task_the_layer_and_the_tasks_own_options(tmp
     with pytest.raises(ConfigError, match=r"c.yaml:2: task_args.num_train: expected an int"):
         path.write_text("task: countdown\ntask_args: {num_train: many}\n")
         load_config(str(path), env={})
-    with pytest.raises(ConfigError, match="unknown task 'go' .available: chess_fen, "
-                                          "countdown, jsonl"):
+    with pytest.raises(ConfigError, match="unknown task 'go' .available: calculator, "
+                                          "chess_fen, countdown, jsonl, numeric"):
         load_config(None, {"task": "go"}, env={})
 
 
