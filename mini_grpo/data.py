@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .conversation import encode_conversation
 from .tokenizer import Tokenizer
 
 
@@ -35,13 +36,13 @@ def sft_batch(tok: Tokenizer, pairs: list[tuple[str | list[dict], str | list[dic
 
     The model reads BOS + prompt + target and is trained to predict target + EOS only:
     targets are -1 (ignored) on prompt positions and padding. A target that is a list of
-    messages is a multi-turn demonstration (tok.encode_conversation): the model is trained
-    on its own messages, not on the tools' answers between them.
+    messages is a multi-turn demonstration (conversation.encode_conversation): the model is
+    trained on its own messages, not on the tools' answers between them.
     """
     rows, labels = [], []
     for prompt, target in pairs:
         if isinstance(target, list):
-            seq, own = tok.encode_conversation(prompt, target)
+            seq, own = encode_conversation(tok, prompt, target)
             p = seq[:len(seq) - len(own)]
             t = [i if mine else -1 for i, mine in zip(seq[len(p):], own)]
         else:

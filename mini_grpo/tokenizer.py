@@ -23,7 +23,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, ChatTemplateError, template_text
+from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, template_text
 from .fields import ConfigError, show
 from .jsonio import check_tree, read_json_object
 from .outputs import write_atomic, write_file
@@ -38,7 +38,6 @@ TOOLS_PROMPT = (
     "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
     "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     "{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
-_MARK = "\x00mini-grpo reply\x00"  # stands for a reply, to find where the template closes it
 
 
 class CharTokenizer:
@@ -241,60 +240,6 @@ class HFTokenizer:
         with the tools where the template takes them."""
         return self._render(messages, add_generation_prompt,
                             **({"tools": self.tools} if self.tools_in_template else {}))
-
-    def continuation(self, conversation: list[dict], appended: list[dict],
-                     ended_with: int | None) -> list[int]:
-        """The ids that follow the model's turn, the last message of `conversation` (which
-        ended with token `ended_with`, one of eos_ids), when the messages `appended` (tools'
-        results, an environment's answer) come next and the model speaks again: the rest of
-        the turn's closing as the template writes it, the appended messages, and the
-        generation prompt. The model's own tokens are kept as it sampled them; only these are
-        encoded. The model's messages are rendered as a short stand-in: what follows them
-        does not depend on what they say, and a turn of any length renders in bounded time."""
-        turn = [{**m, "content": _MARK} if m.get("role") == "assistant" else m
-                for m in conversation]
-        before = self.render(turn, False)
-        after = self.render(turn + appended, True)
-        if not after.startswith(before) or _MARK not in before:
-            raise ChatTemplateError(
-                f"{self.template.where}: the chat template renders the conversation before "
-                f"a tool's message differently once the message follows it: it cannot be "
-                f"continued token by token")
-        closing = before[before.rfind(_MARK) + len(_MARK):]
-        said = self.tk.id_to_token(ended_with) if ended_with is not None else None
-        if said and closing.startswith(said):  # the model wrote that much of the closing
-            closing = closing[len(said):]
-        return self.encode(closing + after[len(before):])
-
-    def encode_conversation(self, prompt: str | list[dict],
-                            conversation: list[dict]) -> tuple[list[int], list[bool]]:
-        """A multi-turn demonstration as a rollout would hold it: the prompt's ids, then each
-        of the model's messages (`assistant`) as its text and EOS, and whatever answers it
-        (tool results, an environment's messages) as `continuation` renders it; with a flag
-        per id after the prompt: the model's own (trained on) or not."""
-        if not conversation or conversation[0].get("role") != "assistant" or \
-                conversation[-1].get("role") != "assistant":
-            raise ValueError("conversation: must open and end with the model's (assistant) "
-                             "message")
-        history, ids = self.messages_of(prompt), self.encode_prompt(prompt)
-        own: list[bool] = []
-        i = 0
-        while i < len(conversation):
-            m = conversation[i]
-            if m.get("role") == "assistant":
-                part = self.encode(str(m.get("content", ""))) + [self.eos_id]
-                history.append(m)
-                i += 1
-            else:
-                j = i
-                while j < len(conversation) and conversation[j].get("role") != "assistant":
-                    j += 1
-                part = self.continuation(history, conversation[i:j], self.eos_id)
-                history += conversation[i:j]
-                i = j
-            ids += part
-            own += [m.get("role") == "assistant"] * len(part)
-        return ids, own
 
     def _id(self, text: str | None) -> int | None:
         return None if text is None else self.tk.token_to_id(text)

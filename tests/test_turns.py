@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import CHATML, tiny, tiny_gpt
 
+from mini_grpo.conversation import continuation
 from mini_grpo.engines.native import generate
 from mini_grpo.engines.turns import ToolSetup, Turns
 from mini_grpo.envs import Step, ToolEnv
@@ -127,7 +128,7 @@ def test_a_conversation_token_by_token_is_the_template_s_rendering(tmp_path, tem
             break
         tool = [{"role": "tool", "content": results[k]}]
         history.append({"role": "assistant", "content": reply})
-        ids += ours.continuation(history, tool, ours.eos_id)
+        ids += continuation(ours, history, tool, ours.eos_id)
         history += tool
         expect += [{"role": "assistant", "content": reply}] + tool
     expect.append({"role": "assistant", "content": replies[-1]})

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..conversation import continuation
 from ..envs import Environment, Step, ToolEnv
 
 
@@ -100,7 +101,7 @@ class Turns:
                 out.append(None)
             else:
                 c[2] += 1
-                out.append(self.tok.continuation(history, st.messages, ids[-1]))
+                out.append(continuation(self.tok, history, st.messages, ids[-1]))
                 history += st.messages
         return out
 
