@@ -452,3 +452,49 @@ def test_sft_on_demonstrations_then_grpo_with_tools_runs(tmp_path):
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows if "sft/loss" in r] == [1, 2, 3]
     assert [r["step"] for r in rows if "tools/calls" in r] == [1, 2]
+
+
+def test_a_multi_turn_run_killed_mid_run_resumes_to_the_straight_run_s_weights(tmp_path):
+    """The guess-the-number environment answers every turn that ends (a random model seldom
+    guesses right), so rollouts span several rounds. A run that dies abruptly at step 3 (no
+    cleanup: os._exit, as after kill -9) and is started again ends with the weights and
+    metrics rows of the run left alone, bit for bit (fp32 on a CPU)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, clean_env, entry, tiny_lm_dir
+    from safetensors.torch import load_file
+
+    model = tiny_lm_dir(tmp_path / "lm")
+    args = ["--config", "tiny", "--mode=grpo", "--use_amp=false", "--device=cpu",
+            "--reward_executor=serial", "--num_eval=4", f"--init_from={model}",
+            "--task=jsonl", "--data_path=examples/guess_number.jsonl",
+            "--environment=examples.guess_number:GuessNumber",
+            '--rewards=[{"name": "examples.guess_number:guesses", "weight": 1.0}]',
+            "--max_steps=4", "--save_every=1", "--eval_every=100", "--max_new_tokens=160",
+            "--block_size=512", "--temperature=1.5", "--prompts_per_step=2",
+            "--group_size=4", "--report_to=[]"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = entry(*args, f"--out_dir={straight}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    crash = subprocess.run([sys.executable, str(ROOT / "tests" / "fault_worker.py"),
+                            "--fault=crash:3", "--", *args, f"--out_dir={killed}"],
+                           capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                           timeout=300)
+    assert crash.returncode == 13 and "exits abruptly at step 3" in crash.stdout, \
+        crash.stderr[-3000:]
+    r = entry(*args, f"--out_dir={killed}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming GRPO from step 2" in r.stdout
+
+    def rows(out):
+        timing = ("time/", "per_s", "seconds", "mem/")
+        return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)}
+                for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    steps = [row for row in rows(straight) if "tools/rounds" in row]
+    # multi-turn: a random model ends a turn (EOS, 1 token in 300) in ~40% of 160 tokens
+    assert len(steps) == 4 and sum(row["tools/rounds"] for row in steps) > 0.5
+    assert rows(killed) == rows(straight)
+    a, b = (load_file(out / "hf" / "model.safetensors") for out in (straight, killed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
