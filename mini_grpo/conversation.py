@@ -2,6 +2,8 @@
 sampled them, and between them what answered (tools' results, an environment's messages) as
 the chat template renders it. The turn loop (engines/turns.py) and SFT on demonstrations
 (data.sft_batch) both build their rows here, so what SFT trains on is what rollouts hold.
+For Mistral's templates (call_format "mistral") the tool messages get the call ids those
+templates require (_mistral_ids).
 
     ids = continuation(tok, history, [{"role": "tool", "content": "56088"}], eos_id)
     ids, own = encode_conversation(tok, prompt, [assistant, tool, assistant])
@@ -26,6 +28,8 @@ def continuation(tok: HFTokenizer, conversation: list[dict], appended: list[dict
     does not depend on what they say, and a turn of any length renders in bounded time."""
     turn = [{**m, "content": _MARK} if m.get("role") == "assistant" else m
             for m in conversation]
+    if tok.call_format == "mistral":
+        turn, appended = _mistral_ids(turn, appended)
     before = tok.render(turn, False)
     after = tok.render(turn + appended, True)
     if not after.startswith(before) or _MARK not in before:
@@ -38,6 +42,29 @@ def continuation(tok: HFTokenizer, conversation: list[dict], appended: list[dict
     if said and closing.startswith(said):  # the model wrote that much of the closing
         closing = closing[len(said):]
     return tok.encode(closing + after[len(before):])
+
+
+def _mistral_ids(turn: list[dict], appended: list[dict]) -> tuple[list[dict], list[dict]]:
+    """`turn` and `appended` as Mistral's templates take them: each tool message with a
+    `tool_call_id` of 9 letters or digits (its own, or its place in the conversation), and
+    each of the model's earlier messages that tools answered naming those calls in
+    `tool_calls`, since the templates count a model's message without them in the
+    user/assistant alternation they check. The calls' arguments are not known here and do not
+    matter: only what follows the model's last message is kept."""
+    messages = [dict(m) for m in turn + appended]
+    for k, m in enumerate(messages):
+        given = m.get("tool_call_id")
+        if m.get("role") == "tool" and not (isinstance(given, str) and len(given) == 9 and
+                                            given.isascii() and given.isalnum()):
+            m["tool_call_id"] = f"{k:09d}"
+    for k, m in enumerate(messages[:len(turn) - 1]):
+        j = k + 1
+        while j < len(turn) and messages[j].get("role") == "tool":
+            j += 1
+        if m.get("role") == "assistant" and j > k + 1:
+            m["tool_calls"] = [{"id": a["tool_call_id"], "type": "function", "function": {
+                "name": str(a.get("name", "")), "arguments": {}}} for a in messages[k + 1:j]]
+    return messages[:len(turn)], messages[len(turn):]
 
 
 def encode_conversation(tok: HFTokenizer, prompt: str | list[dict],

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .tools import MAX_OUTPUT_CHARS, parse_tool_calls, run_call
+from .tool_calls import CALL_FORMATS, parse_tool_calls
+from .tools import MAX_OUTPUT_CHARS, run_call
 
 
 @dataclass
@@ -46,16 +47,20 @@ class Environment(Protocol):
 class ToolEnv:
     """The tool loop as an environment: a turn with calls gets each call's result as a
     `tool` message (an unreadable call, an unknown tool, bad arguments or the tool's
-    exception: `error: ...`); a turn without calls ends the conversation."""
+    exception: `error: ...`); a turn without calls ends the conversation. The calls are read
+    in `call_format`, the model's own (the tokenizer's call_format: tool_calls.py)."""
 
-    def __init__(self, tools: dict[str, Callable], max_chars: int = MAX_OUTPUT_CHARS):
-        self.tools, self.max_chars = tools, max_chars
+    def __init__(self, tools: dict[str, Callable], max_chars: int = MAX_OUTPUT_CHARS,
+                 call_format: str = "hermes"):
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format {call_format!r}: one of {', '.join(CALL_FORMATS)}")
+        self.tools, self.max_chars, self.call_format = tools, max_chars, call_format
 
     def reset(self, example) -> list[dict] | None:
         return None
 
     def step(self, reply: str) -> Step:
-        calls = parse_tool_calls(reply)
+        calls = parse_tool_calls(reply, self.call_format)
         if not calls:
             return Step([], done=True)
         answers = [run_call(self.tools, c, self.max_chars) for c in calls]

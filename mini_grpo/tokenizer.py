@@ -27,11 +27,12 @@ from .chat_template import MAX_SOURCE_CHARS, ChatTemplate, template_text
 from .fields import ConfigError, show
 from .jsonio import check_tree, read_json_object
 from .outputs import write_atomic, write_file
+from .tool_calls import CALL_TOKENS, call_format
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 # the tool list in the system message, for a template that has no place for one: the Hermes
-# format, in the words of Qwen2.5's template (calls come back as <tool_call> JSON: tools.py)
+# format, in the words of Qwen2.5's template (calls come back as <tool_call> JSON: tool_calls.py)
 TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -42,6 +43,7 @@ TOOLS_PROMPT = (
 
 class CharTokenizer:
     pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+    call_format = "hermes"  # it has no chat template, so it takes no tools (configure_chat)
 
     def __init__(self, chars: Iterable[str]):
         chars = sorted(set(chars))
@@ -193,14 +195,17 @@ class HFTokenizer:
             ChatTemplate(chat_template, where["chat_template"])  # compiled: syntax errors here
         self.chat, self.system_prompt = chat_template is not None, ""
         self.tools, self.tools_in_template = [], False
+        self.call_format = "hermes"  # how the model writes a tool call (tool_calls.py)
+        self._kept: dict[int, str] = {}  # special tokens of its calls, kept by decode
 
     def configure_chat(self, chat_template: str, system_prompt: str,
                        tools: list[dict] = ()) -> None:
         """chat_template auto | on | off: whether prompts go through the template (auto: when
         the tokenizer has one); system_prompt: a system message before each prompt; tools:
         the JSON schemas of the tools the model may call (tools.tool_schema), rendered into
-        every prompt: through the template where it takes `tools` (it renders them), else in
-        the system message, in the Hermes format (TOOLS_PROMPT)."""
+        every prompt: through the template where it takes `tools` (it renders them, and the
+        calls are read in its family's format: call_format), else in the system message, in
+        the Hermes format (TOOLS_PROMPT), which is how the calls are read."""
         if chat_template == "on" and self.chat_template is None:
             raise ValueError("chat_template: on, but the tokenizer has none (no chat_template "
                              "in tokenizer_config.json, no chat_template.jinja)")
@@ -216,6 +221,10 @@ class HFTokenizer:
             probe = [{"role": "user", "content": "?"}]
             self.tools_in_template = self._render(probe, True, tools=self.tools) != \
                 self._render(probe, True)
+        self.call_format = call_format(self.chat_template) if self.tools_in_template else "hermes"
+        kept = CALL_TOKENS[self.call_format] if self.tools else ()
+        self._kept = {i: t.content for i, t in self.tk.get_added_tokens_decoder().items()
+                      if t.special and t.content in kept} if kept else {}
 
     def messages_of(self, prompt: str | list[dict]) -> list[dict]:
         """A task's prompt as the conversation the template renders: one user message, or
@@ -336,13 +345,22 @@ class HFTokenizer:
         return ids + [self.eos_id] if eos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids up to the first EOS, special tokens dropped."""
+        """Text of the ids up to the first EOS, special tokens dropped but those the model
+        writes its tool calls with (Mistral's [TOOL_CALLS], [ARGS]: configure_chat), which
+        the calls are found by."""
         out = []
         for i in ids:
             if int(i) in self.eos_ids:
                 break
             out.append(int(i))
-        return self.tk.decode(out, skip_special_tokens=True)
+        if not self._kept or not self._kept.keys() & set(out):
+            return self.tk.decode(out, skip_special_tokens=True)
+        parts, start = [], 0
+        for k, i in enumerate(out):
+            if i in self._kept:
+                parts += [self.tk.decode(out[start:k], skip_special_tokens=True), self._kept[i]]
+                start = k + 1
+        return "".join(parts) + self.tk.decode(out[start:], skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:

@@ -1,12 +1,12 @@
 """Tools a policy may call in a multi-turn rollout: Python functions, named in the config the
 way reward plugins are, each with a JSON schema derived from its signature and docstring (the
 shape of transformers' `get_json_schema` and TRL's `tools=`, so a TRL user's tools work
-unchanged); the built-in `calculator`; the parser of Hermes-style calls in a completion; and
-one call run to its message.
+unchanged); the built-in `calculator`; and one call, as tool_calls.py reads it from the
+model's reply in its family's format, run to its message.
 
     tools = resolve_tools(["calculator", "examples.my_tools:lookup"])
     schema = tool_schema(tools["calculator"])    # {"type": "function", "function": {...}}
-    calls = parse_tool_calls(text)               # <tool_call>{"name": .., "arguments": ..}
+    calls = parse_tool_calls(text, "hermes")     # tool_calls.py: hermes | llama3 | mistral
     message = run_call(tools, calls[0])          # the result, or "error: ..."
 
 A tool is user code, trusted like a reward plugin. What the model writes is not: a call's JSON
@@ -30,17 +30,17 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from .fields import ConfigError
-from .jsonio import check_tree
+from .tool_calls import (  # noqa: F401  (the parser's names, imported from here before it moved)
+    MAX_CALL_BYTES,
+    MAX_CALL_DEPTH,
+    MAX_CALLS,
+    ToolCall,
+    parse_tool_calls,
+)
 
-MAX_CALL_BYTES = 64 * 1024  # one call's JSON
-MAX_CALL_DEPTH = 32  # its nesting
-MAX_CALLS = 16  # calls of one completion that run; the rest are reported, not run
 MAX_OUTPUT_CHARS = 2000  # a tool's message, by default
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class ToolError(ValueError):
@@ -240,57 +240,7 @@ def tool_schema(fn: Callable) -> dict:
 _schema = functools.lru_cache(maxsize=256)(tool_schema)  # a call checks its arguments by it
 
 
-# ---- calls: parsed from the model's text, run to a message
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str  # "" where the call could not be read
-    arguments: dict
-    error: str = ""  # why the call could not be read: it is answered with this
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of `text`, in
-    order, at most MAX_CALLS (one more entry says how many were left out). A block whose JSON
-    is too large, too deep, malformed or not of that shape is a ToolCall with its error."""
-    calls: list[ToolCall] = []
-    start, more = 0, 0
-    while (i := text.find(OPEN, start)) >= 0:
-        j = text.find(CLOSE, i + len(OPEN))
-        if j < 0:
-            break  # unclosed: the model has not finished writing it
-        start = j + len(CLOSE)
-        if len(calls) >= MAX_CALLS:
-            more += 1
-            continue
-        calls.append(_read_call(text[i + len(OPEN):j]))
-    if more:
-        calls.append(ToolCall("", {}, f"{more} more calls left out: at most {MAX_CALLS} a turn"))
-    return calls
-
-
-def _read_call(body: str) -> ToolCall:
-    if len(body.encode("utf-8", "surrogatepass")) > MAX_CALL_BYTES:
-        return ToolCall("", {}, f"call longer than {MAX_CALL_BYTES} bytes")
-    try:
-        value = json.loads(body)
-        check_tree(value, "call", max_depth=MAX_CALL_DEPTH)
-    except (ValueError, RecursionError, ConfigError) as e:
-        why = str(e) if isinstance(e, ConfigError) else "not valid JSON"
-        return ToolCall("", {}, f"cannot read the call: {why}")
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return ToolCall("", {}, 'a call is {"name": "...", "arguments": {...}}')
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments) if len(arguments) <= MAX_CALL_BYTES else None
-            check_tree(arguments, "arguments", max_depth=MAX_CALL_DEPTH)
-        except (ValueError, RecursionError, ConfigError):
-            arguments = None
-    if not isinstance(arguments, dict):
-        return ToolCall(value["name"], {}, "arguments must be a JSON object")
-    return ToolCall(value["name"], arguments)
-
+# ---- calls run to a message
 
 _ACCEPTS = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
             "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),

@@ -632,3 +632,30 @@ def test_fuzz_tool_calls_come_back_as_messages(bodies, tail):
             out = run_call({"calculator": calculator}, c, max_chars=500)
             assert isinstance(out, str) and len(out) <= 540
     within_bounds(go, seconds=10, mib=128)
+
+
+# the same property for Llama 3.x's and Mistral's call formats (tool_calls.py): the bodies as
+# each family writes its calls, with the markers they are found by, cut anywhere
+FORMATTED = {
+    "llama3": lambda bodies: "<|python_tag|>" + "; ".join(bodies),
+    "mistral": lambda bodies: "[TOOL_CALLS][" + ", ".join(bodies) + "]",
+    "mistral-args": lambda bodies: "".join(f"[TOOL_CALLS]calculator[ARGS]{b}" for b in bodies),
+}
+
+
+@given(st.lists(CALL_BODIES, max_size=20), st.sampled_from(sorted(FORMATTED)),
+       st.sampled_from(["", "[TOOL_CALLS]", "[ARGS]", "{", "[", ";", "<|python_tag|>"]),
+       st.integers(0, 10_000))
+def test_fuzz_llama3_and_mistral_calls_come_back_as_messages(bodies, shape, tail, cut):
+    from mini_grpo.tools import MAX_CALLS, calculator, parse_tool_calls, run_call
+
+    text = FORMATTED[shape](bodies) + tail
+    text = text[:cut] if cut < len(text) else text
+
+    def go():
+        calls = parse_tool_calls(text, shape.split("-")[0])
+        assert len(calls) <= MAX_CALLS + 1
+        for c in calls:
+            out = run_call({"calculator": calculator}, c, max_chars=500)
+            assert isinstance(out, str) and len(out) <= 540
+    within_bounds(go, seconds=10, mib=128)

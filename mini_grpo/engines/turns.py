@@ -34,6 +34,7 @@ class ToolSetup:
     timeout: float  # seconds for one environment step (tool_timeout)
     workers: int  # environment steps at once
     rewards: bool = False  # the environment's reward parts count (a user's environment)
+    tool_loop: bool = False  # env(call_format): ToolEnv, reading calls in the model's format
 
     @classmethod
     def of(cls, cfg) -> ToolSetup | None:
@@ -46,8 +47,8 @@ class ToolSetup:
         from ..tools import resolve_tools
 
         tools, chars = resolve_tools(cfg.tools), cfg.tool_output_chars
-        return cls(lambda: ToolEnv(tools, chars), cfg.max_tool_calls, cfg.tool_timeout,
-                   cfg.num_reward_workers)
+        return cls(lambda fmt: ToolEnv(tools, chars, fmt), cfg.max_tool_calls,
+                   cfg.tool_timeout, cfg.num_reward_workers, tool_loop=True)
 
 
 def environment_class(name: str) -> Callable[[], Environment]:
@@ -70,7 +71,8 @@ class Turns:
     def __init__(self, setup: ToolSetup, tok, prompts: list):
         self.setup, self.tok = setup, tok
         self.history = [tok.messages_of(p) for p in prompts]
-        self.envs = [setup.env() for _ in prompts]
+        self.envs = [setup.env(tok.call_format) if setup.tool_loop else setup.env()
+                     for _ in prompts]
         for h, env, p in zip(self.history, self.envs, prompts):
             first = env.reset(p)
             if first is not None:
