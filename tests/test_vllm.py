@@ -200,6 +200,35 @@ def test_server_mode_trains_and_a_dead_server_ends_the_run_resumably(tmp_path):
     assert max(m["engine/logp_diff"] for m in rows) < 1e-4, rows
 
 
+def talkative_lm(path) -> Path:
+    """A tiny Qwen2 whose generation_config names 200 of its 300 ids as EOS, so that greedy
+    turns end within a few tokens and the environment answers (a random model's <|im_end|>
+    alone seldom comes)."""
+    lm = tiny_lm_dir(path, "qwen2", heads=2)
+    gen = json.loads((lm / "generation_config.json").read_text())
+    eos = gen.get("eos_token_id")
+    gen["eos_token_id"] = [*(eos if isinstance(eos, list) else [eos]), *range(100, 300)]
+    (lm / "generation_config.json").write_text(json.dumps(gen))
+    return lm
+
+
+def check_turns(out: dict) -> None:
+    for budget, got in out.items():
+        assert all(got["same"].values()), (budget, got["same"])
+        # the engine's log-probs are the policy's, on the model's own tokens
+        assert got["gap"] < 1e-4, budget
+    # conversations happened: rows cut off in a turn (72 tokens), rows ended by the cap
+    assert sum(out["72"]["rounds"]) >= 6 and not all(out["72"]["finished"])
+    assert max(out["120"]["rounds"]) == 3 and any(out["120"]["finished"])
+
+
+def test_vllm_colocated_and_served_give_the_native_engine_s_greedy_conversations(tmp_path):
+    lm = talkative_lm(tmp_path / "lm")
+    check_turns(worker("turns", lm, tmp_path / "colocate"))
+    with vllm_server(lm) as (url, _):
+        check_turns(worker("turns", lm, tmp_path / "server", url))
+
+
 def test_an_unreachable_server_is_refused_at_start(tmp_path):
     lm = tiny_lm_dir(tmp_path / "lm", "qwen2", heads=2)
     url = f"http://127.0.0.1:{_free_port()}"

@@ -37,7 +37,7 @@ def server():
             pass
 
         def answer(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             reply = replies[self.path]
             if callable(reply):
                 return reply(self)
@@ -151,3 +151,57 @@ def test_vllm_serve_checks_where_it_listens_before_building_an_engine(tmp_path, 
     # the model directory does not exist: the address is refused first, in a moment
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         serve(["--model", str(tmp_path / "none"), *args])
+
+
+def test_a_multi_turn_round_s_reply_is_held_to_each_row_s_own_budget(policy, server):
+    """With tools the client asks a round's rows for the tokens each has left (max_tokens);
+    a reply past a row's own budget is refused like any bad rollout."""
+    from mini_grpo.engines.turns import ToolSetup
+    from mini_grpo.envs import Step
+
+    class Nudge:
+        def reset(self, prompt):
+            return None
+
+        def step(self, reply):
+            return Step([{"role": "user", "content": "go on"}], done=False)
+
+    url, replies = server
+    replies["/health"] = health(policy)
+    model, tok = policy
+    eng = ServerEngine(tiny(None, vllm_server_url=url), model, tok, torch.device("cpu"), 0,
+                       ToolSetup(Nudge, max_rounds=2, timeout=5, workers=1))
+    asked = []
+
+    def generate(handler, extra=0):
+        body = json.loads(handler.body)
+        asked.append(body["max_tokens"])
+        eos = tok.eos_id  # each row ends its turn at once, or overruns its budget
+        toks = [[5] * (m + extra) if extra else [eos] for m in body["max_tokens"]]
+        data = json.dumps({"token_ids": toks,
+                           "logprobs": [[-1.0] * len(t) for t in toks]}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    replies["/generate"] = generate
+    r = eng.generate(PROMPTS, Sampling(max_new_tokens=64))
+    # rounds of one EOS each, the answers between them; the cap of 2 ends the rows
+    assert asked[0] == [64, 64] and asked[1][0] < 64 and len(asked) == 3
+    assert r.turn_counts[:, 2].tolist() == [2, 2] and r.finished.all()
+    assert r.model_mask.sum(1).tolist() == [3, 3]  # the three EOS tokens alone
+    replies["/generate"] = lambda handler: generate(handler, extra=1)
+    with pytest.raises(EngineError, match="row 0: token_ids and logprobs must be lists of 1 "
+                                          "to 64 items"):
+        eng.generate(PROMPTS, Sampling(max_new_tokens=64))
+
+
+def test_tools_on_a_tensor_parallel_colocated_engine_are_refused_by_name():
+    from mini_grpo.engines import check_engine
+
+    cfg = tiny(None, tools='["calculator"]', rollout_engine="vllm",
+               vllm_tensor_parallel_size=2, init_from="some/model")
+    with pytest.raises(ConfigError, match="tools: multi-turn rollouts take one engine per "
+                                          "rank \\(vllm_tensor_parallel_size: 1\\)"):
+        check_engine(cfg, torch.device("cpu"))

@@ -5,6 +5,8 @@ process group, thread binding), printing one JSON line for tests/test_vllm.py:
     python tests/vllm_worker.py parity qwen3,gpt2 DIR   # each in turn: {family: result}
     python tests/vllm_worker.py train DIR [--stale] [--lora]   # 3 GRPO steps; --stale: sync
                                                     # only once; --lora: LoRA adapters, r 4
+    python tests/vllm_worker.py turns LM DIR [URL]  # multi-turn greedy conversations against
+                                                    # ours (URL: a vllm-serve's, server mode)
 """
 
 import json
@@ -69,6 +71,59 @@ def parity(family: str, root: Path) -> dict:
     return out
 
 
+class Nudge:
+    """An environment that answers every turn the model ends (up to max_tool_calls), with a
+    reward part per turn: a random model's turns are answered whatever they say."""
+
+    def reset(self, prompt):
+        self.turns = 0
+
+    def step(self, reply: str):
+        from mini_grpo.envs import Step
+
+        self.turns += 1
+        return Step([{"role": "user", "content": f"go on ({self.turns})"}], done=False,
+                    rewards={"turn": 0.5}, calls=1)
+
+
+def turns(lm: Path, root: Path, url: str = "") -> dict:
+    """Greedy multi-turn rollouts (Nudge answers every turn that ends) on the vLLM engine
+    against the native engine's: the same ids, masks (the model's own tokens), finished
+    flags, conversations and counts."""
+    from mini_grpo.engines.turns import ToolSetup
+    from mini_grpo.run import setup
+
+    server = {"vllm_mode": "server", "vllm_server_url": url} if url else {}
+    cfg = tiny(root / "out", init_from=str(lm), rollout_engine="vllm", max_new_tokens=120,
+               block_size=512, task="jsonl", data_path="examples/guess_number.jsonl",
+               environment="vllm_worker:Nudge", max_tool_calls=3, **server)
+    with setup(cfg, log=False) as run:
+        engine = run.engine
+        native = NativeEngine(run.model, run.tok, tools=ToolSetup.of(cfg))
+        prompts = [ex.model_input for ex in run.task.train[:6]]
+        engine.sync(run.model)
+        out = {}
+        # 72 tokens: a third turn runs out of room (cut off); 120: the cap of 3 rounds ends it
+        for budget in (72, 120):
+            greedy = Sampling(budget, greedy=True)
+            r, n = engine.generate(prompts, greedy), native.generate(prompts, greedy)
+            same = {
+                "ids": torch.equal(r.completion_ids, n.completion_ids),
+                "mask": torch.equal(r.completion_mask, n.completion_mask),
+                "model_mask": torch.equal(r.model_mask, n.model_mask),
+                "finished": torch.equal(r.finished, n.finished),
+                "texts": r.texts == n.texts, "conversations": r.conversations == n.conversations,
+                "counts": torch.equal(r.turn_counts, n.turn_counts),
+                "env_rewards": r.env_rewards == n.env_rewards}
+            lp = completion_logprobs(run.model, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                     r.completion_mask, 1.0)
+            out[budget] = {"same": same, "rounds": n.turn_counts[:, 2].tolist(),
+                           "finished": n.finished.tolist(),
+                           "gap": (lp - r.logprobs)[r.model_mask].abs().max().item(),
+                           "answered_tokens": int((r.completion_mask & ~r.model_mask).sum())}
+        return out
+
+
 def train_run(root: Path, stale: bool, lora: bool) -> dict:
     from mini_grpo.engines.vllm import VLLMEngine
     from mini_grpo.job import train
@@ -104,6 +159,8 @@ if __name__ == "__main__":
         result = {f: parity(f, Path(rest[1]) / f) for f in rest[0].split(",")}
     elif mode == "parity":
         result = parity(rest[0], Path(rest[1]))
+    elif mode == "turns":
+        result = turns(Path(rest[0]), Path(rest[1]), *rest[2:])
     else:
         result = train_run(Path(rest[0]), "--stale" in rest, "--lora" in rest)
     print("RESULT " + json.dumps(result), flush=True)

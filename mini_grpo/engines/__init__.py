@@ -36,9 +36,11 @@ def check_engine(cfg, device) -> None:
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and device.type != "cuda":
         raise ConfigError("vllm_sleep: sleep mode gives GPU memory back between rollouts; "
                           "it needs a GPU (this run is on the CPU)")
-    if (cfg.tools or cfg.environment) and cfg.rollout_engine != "native":
+    if (cfg.tools or cfg.environment) and cfg.rollout_engine == "vllm" and \
+            cfg.vllm_mode == "colocate" and cfg.vllm_tensor_parallel_size > 1:
         raise ConfigError(f"{'tools' if cfg.tools else 'environment'}: multi-turn rollouts "
-                          f"run on the native engine for now (rollout_engine: native)")
+                          f"take one engine per rank (vllm_tensor_parallel_size: 1), or a "
+                          f"server (vllm_mode: server)")
 
 
 def make_engine(cfg, model, tok, device, dist, max_len: int | None = None) -> Engine:
@@ -46,15 +48,17 @@ def make_engine(cfg, model, tok, device, dist, max_len: int | None = None) -> En
     on this rank's `device` (`dist`: the run's distributed.DistInfo); `max_len`: the longest
     prompt + completion it must hold (default: the model's block size). A model the engine
     cannot serve is a ConfigError here, at the start, not in the first step."""
+    from .turns import ToolSetup
+
+    tools = ToolSetup.of(cfg)
     if cfg.rollout_engine == "vllm" and cfg.vllm_mode == "server":
         from .client import ServerEngine
 
-        return ServerEngine(cfg, model, tok, device, dist.rank)
+        return ServerEngine(cfg, model, tok, device, dist.rank, tools)
     if cfg.rollout_engine == "vllm":
         from .vllm import VLLMEngine
 
-        return VLLMEngine(cfg, model, tok, device, dist, max_len)
+        return VLLMEngine(cfg, model, tok, device, dist, max_len, tools)
     from .native import NativeEngine
-    from .turns import ToolSetup
 
-    return NativeEngine(model, tok, cfg.kv_cache, ToolSetup.of(cfg))
+    return NativeEngine(model, tok, cfg.kv_cache, tools)

@@ -35,7 +35,16 @@ from ..jsonio import check_tree
 from ..lora import merged
 from ..models.hf import hf_tensors
 from .base import EngineError, Rollout, WeightsSeen
-from .protocol import check_servable, engine_config, row_seeds, sampling_options, to_rollout
+from .protocol import (
+    check_servable,
+    complete_turns,
+    engine_config,
+    row_seeds,
+    sampling_options,
+    to_rollout,
+    turns_rollout,
+)
+from .turns import ToolSetup, Turns
 
 # what must agree between the policy and the server's model
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
@@ -74,8 +83,12 @@ class ServerEngine:
     name = "vllm"
     alone = True  # every rank sends its own requests
 
-    def __init__(self, cfg, model, tok, device: torch.device, rank: int):
+    def __init__(self, cfg, model, tok, device: torch.device, rank: int,
+                 tools: ToolSetup | None = None):
+        """`tools`: multi-turn rollouts (turns.py), in rounds of requests (the tool loop runs
+        here, on the trainer's rank: protocol.complete_turns)."""
         check_servable(tok)
+        self.tools = tools
         self.url, self.timeout = cfg.vllm_server_url.rstrip("/"), cfg.vllm_server_timeout
         self.tok, self.device, self.rank = tok, device, rank
         self.group, self.weights = None, WeightsSeen()
@@ -172,17 +185,33 @@ class ServerEngine:
         return out
 
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
+        options = sampling_options(sampling, self.tok.eos_ids)
+        if self.tools is not None:
+            turns = Turns(self.tools, self.tok, prompts)
+            enc = turns.prompt_ids()
+            got = complete_turns(lambda prefixes, budgets, seeds: self._generate(
+                prefixes, options, seeds, budgets), turns, enc, sampling.max_new_tokens,
+                self.tok.eos_ids, row_seeds(len(enc), generator))
+            return turns_rollout(self.tok, turns, enc, *got, self.device, sampling)
         enc = [self.tok.encode_prompt(p) for p in prompts]
-        out = self._call("POST", "/generate", {
-            "prompts": enc, "options": sampling_options(sampling, self.tok.eos_ids),
-            "seeds": row_seeds(len(enc), generator)})
+        toks, lps = self._generate(enc, options, row_seeds(len(enc), generator))
+        return to_rollout(self.tok, enc, toks, lps, self.device, sampling)
+
+    def _generate(self, prompts: list[list[int]], options: dict, seeds: list[int],
+                  budgets: list[int] | None = None) -> tuple[list, list]:
+        """One /generate request -> (token ids, log-probs) per row, checked; `budgets`: each
+        row's max_tokens in place of options' (a multi-turn round's)."""
+        body = {"prompts": prompts, "options": options, "seeds": seeds}
+        if budgets is not None:
+            body["max_tokens"] = budgets
+        out = self._call("POST", "/generate", body)
         try:
-            check_rollout(out, len(enc), self.vocab, sampling.max_new_tokens)
-            return to_rollout(self.tok, enc, out["token_ids"], out["logprobs"], self.device,
-                              sampling)
+            check_rollout(out, len(prompts), self.vocab, options["max_tokens"],
+                          budgets)
         except (KeyError, TypeError, ValueError) as e:
             raise EngineError(f"the vLLM server at {self.url} sent a bad rollout: {e}") \
                 from None
+        return out["token_ids"], out["logprobs"]
 
     def sync(self, model) -> None:
         if not self.weights.changed_anywhere(model, self.device):
@@ -241,20 +270,23 @@ class ServerEngine:
             self.group = None
 
 
-def check_rollout(out: dict, rows: int, vocab: int, max_new_tokens: int) -> None:
+def check_rollout(out: dict, rows: int, vocab: int, max_new_tokens: int,
+                  budgets: list[int] | None = None) -> None:
     """A server's /generate reply, as untrusted as a file: one row per prompt, each of 1 to
-    max_new_tokens token ids in the vocabulary (ints, not bools or floats) and as many
-    finite log-probs <= 0; ValueError naming the field and row otherwise."""
+    max_new_tokens (or the row's budget) token ids in the vocabulary (ints, not bools or
+    floats) and as many finite log-probs <= 0; ValueError naming the field and row
+    otherwise."""
     toks, lps = out.get("token_ids"), out.get("logprobs")
     for name, v in (("token_ids", toks), ("logprobs", lps)):
         if not isinstance(v, list) or len(v) != rows:
             got = f"{len(v)} rows" if isinstance(v, list) else type(v).__name__
             raise ValueError(f"{name}: {rows} rows asked, got {got}")
     for i, (t, lp) in enumerate(zip(toks, lps)):
-        if not (isinstance(t, list) and isinstance(lp, list)) or not 0 < len(t) <= \
-                max_new_tokens or len(lp) != len(t):
+        most = budgets[i] if budgets is not None else max_new_tokens
+        if not (isinstance(t, list) and isinstance(lp, list)) or not 0 < len(t) <= most \
+                or len(lp) != len(t):
             raise ValueError(f"row {i}: token_ids and logprobs must be lists of 1 to "
-                             f"{max_new_tokens} items, one log-prob per token")
+                             f"{most} items, one log-prob per token")
         if not all(type(x) is int and 0 <= x < vocab for x in t):
             raise ValueError(f"row {i}: token_ids must be integers in 0..{vocab - 1}")
         if not all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-3 for x in lp):

@@ -12,7 +12,8 @@ after every update. HTTP with JSON bodies (the standard library's server, one re
 time: the engine is not thread-safe, and the requests of several ranks queue):
 
     GET  /health          {"config": the engine's config.json, "dtype", "device", "max_model_len"}
-    POST /generate        {"prompts": [[ids]], "options": SamplingParams keywords, "seeds": [..]}
+    POST /generate        {"prompts": [[ids]], "options": SamplingParams keywords, "seeds": [..],
+                           "max_tokens": [..] (optional: each row's, in place of options')}
                           -> {"token_ids": [[..]], "logprobs": [[..]]}
     POST /init_weights    {"host", "port"}: join the trainer's pair group (distributed.PairGroup,
                           rank 1 of 2: gloo, or NCCL when both ends are on GPUs); returns at
@@ -94,8 +95,13 @@ class Server:
         if not isinstance(options, dict) or not isinstance(seeds, list) or \
                 len(seeds) != len(prompts) or not all(type(s) is int for s in seeds):
             raise BadRequest("options must be a mapping and seeds one integer per prompt")
+        budgets = body.get("max_tokens")
+        if budgets is not None and not (isinstance(budgets, list) and len(budgets) == len(
+                prompts) and all(type(m) is int and m > 0 for m in budgets)):
+            raise BadRequest("max_tokens: one positive integer per prompt")
         try:
-            toks, lps = complete(self.llm, self.SamplingParams, prompts, options, seeds)
+            toks, lps = complete(self.llm, self.SamplingParams, prompts, options, seeds,
+                                 budgets)
         except (TypeError, ValueError) as e:  # options vLLM refuses, a prompt too long
             raise BadRequest(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         return {"token_ids": toks, "logprobs": lps}

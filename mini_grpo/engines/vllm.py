@@ -46,11 +46,14 @@ from .base import Rollout, WeightsSeen
 from .protocol import (
     check_servable,
     complete,
+    complete_turns,
     engine_config,
     row_seeds,
     sampling_options,
     to_rollout,
+    turns_rollout,
 )
+from .turns import ToolSetup, Turns
 
 MIN_KV_BYTES = 64 << 20
 
@@ -141,12 +144,15 @@ def shutdown(llm) -> None:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, cfg, model, tok, device: torch.device, dist, max_len: int | None = None):
-        """`dist`: the run's distributed.DistInfo (rank, world size)."""
+    def __init__(self, cfg, model, tok, device: torch.device, dist, max_len: int | None = None,
+                 tools: ToolSetup | None = None):
+        """`dist`: the run's distributed.DistInfo (rank, world size); `tools`: multi-turn
+        rollouts (turns.py), in rounds of requests (protocol.complete_turns)."""
         tp, world = cfg.vllm_tensor_parallel_size, dist.world_size
         if world % tp:
             raise ConfigError(f"vllm_tensor_parallel_size: {tp} does not divide the {world} "
                               f"processes")
+        self.tools = tools
         check_servable(tok)
         vllm = import_vllm()
         self.tok, self.device, self.llm, self.weights = tok, device, None, WeightsSeen()
@@ -179,6 +185,8 @@ class VLLMEngine:
                               f"{_summary(e)}") from None
 
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
+        if self.tools is not None:
+            return self._generate_turns(prompts, sampling, generator)
         enc = [self.tok.encode_prompt(p) for p in prompts]
         mine = (enc, row_seeds(len(enc), generator))
         shares, me = [mine], 0
@@ -191,10 +199,28 @@ class VLLMEngine:
                              sampling_options(sampling, self.tok.eos_ids),
                              [s for share in shares for s in share[1]])
         toks, lps = toks[start:start + len(enc)], lps[start:start + len(enc)]
+        self._sleep()
+        return to_rollout(self.tok, enc, toks, lps, self.device, sampling)
+
+    def _generate_turns(self, prompts: list, sampling, generator) -> Rollout:
+        """Multi-turn rollouts of this rank's rows alone (the tool loop runs where its rows
+        are; tensor parallelism is refused with tools: check_engine)."""
+        turns = Turns(self.tools, self.tok, prompts)
+        enc = turns.prompt_ids()
+        options = sampling_options(sampling, self.tok.eos_ids)
+        self._wake()
+        got = complete_turns(
+            lambda prefixes, budgets, seeds: complete(self.llm, self.SamplingParams, prefixes,
+                                                      options, seeds, budgets),
+            turns, enc, sampling.max_new_tokens, self.tok.eos_ids,
+            row_seeds(len(enc), generator))
+        self._sleep()
+        return turns_rollout(self.tok, turns, enc, *got, self.device, sampling)
+
+    def _sleep(self) -> None:
         if self.sleep:  # level 1: weights to CPU memory, KV cache freed, until the next wake
             self.llm.sleep(level=1)
             self.asleep = True
-        return to_rollout(self.tok, enc, toks, lps, self.device, sampling)
 
     def sync(self, model) -> None:
         if not self.weights.changed_anywhere(model, self.device):
