@@ -3,11 +3,12 @@ weights and metrics of the same run left alone (fp32 and bf16 autocast on CPU).
 
     .venv/bin/python bench/kill_resume.py                 # 5 kills each, fp32 and bf16
     .venv/bin/python bench/kill_resume.py --kills 3 --dtypes fp32 --json out.json
+    .venv/bin/python bench/kill_resume.py --multiturn --dtypes fp32   # with an environment
 
 For each precision: one uninterrupted run (`straight`), then the same run (`killed`) started
-again and again, each start SIGKILLed after a random delay between just before the straight
-run's first checkpoint and half-way through the rest of its span, until `--kills` kills have
-landed; then it runs to its end. The final hf/model.safetensors must equal the straight run's
+again and again: each start is SIGKILLed at a random moment within 1.5 steps after it saved a
+randomly chosen step (a kill in a step, a save or an evaluation), `--kills` times; then it
+runs to its end. The final hf/model.safetensors must equal the straight run's
 bit for bit, and metrics.jsonl must hold the same rows (every value but times and
 throughputs, which differ by nature). Prints one line per kill and a
 verdict; exits 1 on a mismatch.
@@ -28,6 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--config", "tiny", "--mode=grpo", "--reward_executor=serial", "--max_steps=40",
         "--save_every=1", "--eval_every=10", "--num_eval=8", "--report_to=[]"]
+# --multiturn: the guess-the-number environment (examples/) on a tiny Hugging Face model that
+# the script builds (tests/conftest.py's tiny_lm_dir): rollouts of several rounds
+MULTITURN = ["--task=jsonl", "--data_path=examples/guess_number.jsonl",
+             "--environment=examples.guess_number:GuessNumber",
+             '--rewards=[{"name": "examples.guess_number:guesses", "weight": 1.0}]',
+             "--max_steps=60", "--max_new_tokens=160", "--block_size=512", "--temperature=1.5",
+             "--prompts_per_step=2", "--group_size=4", "--device=cpu"]
 DTYPES = {"fp32": ["--use_amp=false"], "bf16": ["--use_amp=true", "--amp_dtype=bfloat16",
                                                 "--generation_amp=on"]}
 # what differs between two identical runs: wall-clock figures
@@ -54,8 +62,8 @@ def weights(out: Path) -> dict:
     return load_file(out / "hf" / "model.safetensors")
 
 
-def one(dtype: str, kills: int, work: Path, rng: random.Random) -> dict:
-    extra = DTYPES[dtype]
+def one(dtype: str, kills: int, work: Path, rng: random.Random, setup: list[str]) -> dict:
+    extra = DTYPES[dtype] + setup
     straight, killed = work / f"{dtype}_straight", work / f"{dtype}_killed"
     t0, first = time.perf_counter(), None
     p = launch(straight, extra)
@@ -67,38 +75,45 @@ def one(dtype: str, kills: int, work: Path, rng: random.Random) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"{dtype}: the straight run failed:\n{p.stderr.read()[-2000:]}")
     first = first or span
+    steps = int([a for a in ARGS + extra if a.startswith("--max_steps=")][-1].split("=")[1])
+    per_step = (span - first) / steps
+    # each kill aims at a training step: once the start has saved step t (save_every=1), it
+    # dies at a random moment within the next 1.5 steps (a step, its save, an evaluation)
+    targets = sorted(rng.sample(range(1, steps - 1), kills))
     landed, starts, moments = 0, 0, []
-    while True:
+    for t in targets:
         p = launch(killed, extra)
         starts += 1
-        if landed < kills:
-            # from just before the first step's save to half-way through what follows:
-            # each start resumes further on, so most kills land inside training steps,
-            # saves and evaluations, some in the start-up
-            delay = rng.uniform(0.8 * first, first + (span - first) / 2)
-            try:
-                p.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-                landed += 1
-                moments.append(round(delay, 2))
-                done = sorted(killed.glob("checkpoints/step_*"))
-                print(f"{dtype}: kill {landed} at {delay:.1f} s of {span:.1f} s "
-                      f"(newest checkpoint: {done[-1].name if done else 'none'})", flush=True)
-                continue
-        _, err = p.communicate()
-        if p.returncode != 0:
-            raise SystemExit(f"{dtype}: a resumed run failed:\n{err[-2000:]}")
-        if landed >= kills:
-            break
+        mark = killed / "checkpoints" / f"step_{t:07d}.pt"
+        while p.poll() is None and not mark.exists():
+            time.sleep(0.01)
+        if p.poll() is not None:  # already past t: this start resumed beyond the target
+            _, err = p.communicate()
+            if p.returncode != 0:
+                raise SystemExit(f"{dtype}: a resumed run failed:\n{err[-2000:]}")
+            continue
+        delay = rng.uniform(0, 1.5 * per_step)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        landed += 1
+        done = sorted(killed.glob("checkpoints/step_*"))
+        moments.append({"after_step": t, "delay_s": round(delay, 3),
+                        "newest_checkpoint": done[-1].name if done else None})
+        print(f"{dtype}: kill {landed} {delay:.2f} s after step {t}'s save "
+              f"(newest checkpoint: {done[-1].name if done else 'none'})", flush=True)
+    p = launch(killed, extra)  # and to the end
+    starts += 1
+    _, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"{dtype}: a resumed run failed:\n{err[-2000:]}")
     a, b = weights(straight), weights(killed)
     same_weights = a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     same_rows = rows(straight) == rows(killed)
     print(f"{dtype}: {landed} kills over {starts} starts; weights "
           f"{'identical' if same_weights else 'DIFFER'}, metrics rows "
           f"{'identical' if same_rows else 'DIFFER'} ({len(rows(killed))} rows)", flush=True)
-    return {"dtype": dtype, "kills": landed, "starts": starts, "kill_moments_s": moments,
+    return {"dtype": dtype, "kills": landed, "starts": starts, "kill_moments": moments,
             "straight_run_s": round(span, 1), "first_checkpoint_s": round(first, 1),
             "same_weights": same_weights, "same_metrics": same_rows, "rows": len(rows(killed))}
 
@@ -110,16 +125,33 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="", help="a new folder for the runs (default: a temp one)")
     ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--multiturn", action="store_true",
+                    help="a multi-turn run: an environment answers each turn")
     args = ap.parse_args()
     import tempfile
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kill_resume_"))
     rng = random.Random(args.seed)
-    results = [one(d, args.kills, work, rng) for d in args.dtypes]
+    setup = []
+    if args.multiturn:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import tiny_lm_dir
+
+        setup = [*MULTITURN, f"--init_from={tiny_lm_dir(work / 'lm')}"]
+    results = [one(d, args.kills, work, rng, setup) for d in args.dtypes]
+    for r in results:
+        r["rounds_per_rollout"] = _rounds(work / f"{r['dtype']}_killed")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": _cpu(), "results": results}, indent=2)
-                                   + "\n")
+        Path(args.json).write_text(json.dumps({"cpu": _cpu(), "args": ARGS + setup[:-1] + [
+            "--init_from=(a tiny model: tests/conftest.py tiny_lm_dir)"] if setup else ARGS,
+                                               "results": results}, indent=2) + "\n")
     return 0 if all(r["same_weights"] and r["same_metrics"] for r in results) else 1
+
+
+def _rounds(out: Path) -> float | None:
+    """Tool or environment rounds per rollout over the run's steps (None: single-turn)."""
+    got = [r["tools/rounds"] for r in rows(out) if "tools/rounds" in r]
+    return round(sum(got) / len(got), 3) if got else None
 
 
 def _cpu() -> str:
