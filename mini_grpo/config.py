@@ -303,10 +303,6 @@ class GRPOConfig:
             _check_rewards(self.rewards)
         if not all(isinstance(t, str) and t for t in self.tools):
             raise ConfigError(f"tools: must be a list of tool names, got {show(self.tools)}")
-        turns = "tools" if self.tools else "environment" if self.environment else ""
-        if turns and self.mode.startswith("rft"):
-            raise ConfigError(f"{turns}: RFT keeps single-turn completions for now (mode: "
-                              f"{self.mode}); use mode grpo or sft_grpo")
         if self.tools and self.environment:
             raise ConfigError("environment: runs in place of the tool loop; an environment "
                               "that uses tools calls them itself (set tools: [])")

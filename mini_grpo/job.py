@@ -212,13 +212,11 @@ def run_rft(run: Run, amp: bool) -> bool:
     with fsdp.full_params(run.model):  # each rank samples alone
         # the run's own directory: data of other settings there is regenerated, not refused
         generate_rft_data(run, examples, data, amp, replace_stale=True)
-    try:
-        accepted = load_jsonl(data)
-    except ConfigError:  # nothing accepted: say which knob, not just "the file is empty"
+    if data.stat().st_size == 0:  # nothing accepted: say which knob, not "the file is empty"
         raise ConfigError(f"rft_min_reward: no completion of "
                           f"{len({ex.prompt for ex in examples})} prompts reached "
-                          f"{cfg.rft_min_reward}; lower it or train the SFT stage longer"
-                          ) from None
+                          f"{cfg.rft_min_reward}; lower it or train the SFT stage longer")
+    accepted = load_jsonl(data)  # checked like any data file: a bad row names its line
     return train_sft(run, examples=accepted, steps=cfg.rft_sft_steps, lr=cfg.rft_lr,
                      directory=data.parent / "sft", tag="rft", amp=amp)
 

@@ -12,7 +12,11 @@ rewards, and the best one is kept when it reaches `rft_min_reward` (`rft_keep: a
 every distinct one that does) and ended by itself: a completion cut off at `max_new_tokens`
 is never kept (SFT would teach the model to stop mid-sentence). Rows are `{prompt, target,
 completion, reward, rewards: {plugin: value}}`: the JSONL task loader reads them (completion,
-reward and rewards become metadata) and SFT trains on `completion`.
+reward and rewards become metadata) and SFT trains on `completion`. With tools or an
+environment a rollout is a conversation: its reward is the one GRPO would give it (the
+environment's reward parts included, as the `env` column), its row also holds
+`conversation` (the messages after the prompt: the model's turns and what answered them;
+`completion` is its last turn), and SFT trains on that, the answers' tokens masked.
 
 Each rank appends whole lines to its own shard (`<output>.rank<R>`, flushed per batch) and
 lists the prompts it has finished in `<output>.rank<R>.done`, so a re-run skips them; rank 0
@@ -131,6 +135,18 @@ def claim(run: Run, output: Path, source: dict, replace_stale: bool) -> None:
     D.barrier()
 
 
+def _record(ex, r, res, k: int) -> dict:
+    """Row `k` of rollout `r` (scored `res`), a completion of example `ex`, as written; a
+    multi-turn row with its whole conversation."""
+    ask = {"messages": ex.messages} if ex.messages else {"prompt": ex.prompt}
+    row = {**ask, "target": ex.target, "completion": r.texts[k],
+           "reward": float(res.total[k]),
+           "rewards": {n: float(c[k]) for n, c in res.columns.items()}}
+    if r.conversations is not None:
+        row["conversation"] = r.conversations[k]
+    return row
+
+
 @torch.no_grad()
 def generate_rft_data(run: Run, examples, output: str | Path, amp: bool = True,
                       source: dict | None = None, replace_stale: bool = False) -> dict:
@@ -171,20 +187,18 @@ def generate_rft_data(run: Run, examples, output: str | Path, amp: bool = True,
             r = engine.generate([first[p].model_input for p in rows], sampling, gen,
                                 run.precision.autocast(generation=True, enabled=amp))
             exs = [first[p] for p in rows]
-            res = score(scorer, exs, r.texts, r.lengths(), sampling.max_new_tokens)
+            res = score(scorer, exs, r.texts, r.lengths(), sampling.max_new_tokens,
+                        r.conversations, r.env_rewards)
             lines = []
             for j, p in enumerate(batch):
-                cand = {}  # distinct completions of this prompt -> row index
+                cand = {}  # distinct completions (conversations) of this prompt -> row index
                 for k in range(j * K, (j + 1) * K):  # whole answers only: ended by EOS
                     if res.total[k] >= cfg.rft_min_reward and r.finished[k]:
-                        cand.setdefault(r.texts[k], k)
+                        cand.setdefault(r.texts[k] if r.conversations is None
+                                        else json.dumps(r.conversations[k]), k)
                 picked = sorted(cand.values(), key=lambda k: -res.total[k])
                 for k in picked[:1] if cfg.rft_keep == "best" else picked:
-                    ask = {"messages": first[p].messages} if first[p].messages else {"prompt": p}
-                    lines.append(json.dumps({
-                        **ask, "target": first[p].target, "completion": r.texts[k],
-                        "reward": float(res.total[k]),
-                        "rewards": {n: float(c[k]) for n, c in res.columns.items()}}) + "\n")
+                    lines.append(json.dumps(_record(first[p], r, res, k)) + "\n")
             out.append("".join(lines))  # whole lines, then the prompts they finish
             done_f.append("".join(json.dumps({"prompt": p}) + "\n" for p in batch))
             done_now["prompts"] += len(batch)
@@ -203,14 +217,14 @@ def generate_rft_data(run: Run, examples, output: str | Path, amp: bool = True,
         merged: dict[str, list[dict]] = {}
         for path in [output, *(Path(f"{output}.rank{k}") for k in range(dist.world_size))]:
             for r in _read_rows(path):
-                merged.setdefault(r["prompt"], []).append(r)
+                merged.setdefault(_prompt(r), []).append(r)
         rows = [r for p in sorted(merged, key=lambda p: order.get(p, len(order)))
                 for r in merged[p]]
         write_file(output, "".join(json.dumps(r) + "\n" for r in rows))
         for rank in range(dist.world_size):
             Path(f"{output}.rank{rank}").unlink(missing_ok=True)
             Path(f"{output}.rank{rank}.done").unlink(missing_ok=True)
-        covered = len({r["prompt"] for r in rows})
+        covered = len({_prompt(r) for r in rows})
         summary = {
             "prompts": len(prompts), "prompts_generated_now": int(total["prompts"]),
             "completions_generated_now": int(total["completions"]), "rows": len(rows),

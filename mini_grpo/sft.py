@@ -85,8 +85,8 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     autocast verdict for the next (`amp` is the one it starts from: see state.py).
 
     Defaults: the task's training split, cfg.sft_steps at cfg.sft_lr, into <out_dir>/sft.
-    The RFT stage passes its accepted rows instead; a row with a "completion" in its metadata
-    is trained on that completion, else on its demonstration (`_sft_target`) or target.
+    The RFT stage passes its accepted rows instead; a row is trained on its conversation
+    (multi-turn), its accepted completion, or its target (`_sft_target`).
     """
     cfg, dist, model = run.cfg, run.dist, run.model
     examples = run.task.train if examples is None else examples
@@ -135,13 +135,14 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
 
 
 def _sft_target(ex, multi_turn: bool) -> str | list[dict]:
-    """What SFT trains a row on: the completion RFT accepted, or a multi-turn demonstration
-    (meta "conversation": the task's, e.g. calculator's) where the run has tools or an
-    environment, else the target."""
-    if "completion" in ex.meta:
-        return ex.meta["completion"]
+    """What SFT trains a row on: where the run has tools or an environment, a multi-turn
+    demonstration (meta "conversation": the task's, e.g. calculator's, or the whole
+    conversation RFT kept, whose `completion` is only its last turn); else the completion
+    RFT accepted, else the target."""
     if multi_turn and isinstance(ex.meta.get("conversation"), list):
         return ex.meta["conversation"]
+    if "completion" in ex.meta:
+        return ex.meta["completion"]
     return ex.target
 
 

@@ -167,6 +167,8 @@ def test_command_line_overrides(argv):
 
 PROMPT_ROW = {"prompt": "e2e4:", "target": "x", "id": 1}
 MESSAGES_ROW = {"messages": [{"role": "user", "content": "e2e4:"}], "target": "x"}
+RFT_ROW = {"prompt": "e2e4:", "target": "x", "completion": "x",  # a multi-turn RFT row
+           "conversation": [{"role": "assistant", "content": "x"}]}
 
 
 @st.composite
@@ -175,7 +177,10 @@ def jsonl_files(draw) -> bytes:
         documents(PROMPT_ROW, ["prompt", "target", "messages"]),
         documents(MESSAGES_ROW, ["messages", "target", "prompt"],
                   st.lists(st.dictionaries(st.sampled_from(["role", "content"]) | UNICODE,
-                                           VALUES, max_size=3), max_size=3) | VALUES)),
+                                           VALUES, max_size=3), max_size=3) | VALUES),
+        documents(RFT_ROW, ["conversation"], st.lists(st.dictionaries(
+            st.sampled_from(["role", "content", "name"]) | UNICODE,
+            st.sampled_from(["assistant", "tool"]) | VALUES, max_size=3), max_size=4) | VALUES)),
         min_size=1, max_size=5))
     data = "\n".join(rows).encode("utf-8", "surrogatepass")
     tail = draw(st.sampled_from([b"", b"\n", b"\xff\n", b"\n\n"]))

@@ -387,8 +387,6 @@ def test_an_environment_that_is_not_one_is_refused_by_name():
     with pytest.raises(ConfigError, match="environment 'examples.guess_number:guesses': must "
                                           "be a class with reset"):
         environment_class("examples.guess_number:guesses")
-    with pytest.raises(ConfigError, match="tools: RFT keeps single-turn"):
-        tiny(tools=json.dumps(["calculator"]), mode="rft")
 
 
 def test_a_demonstration_trains_the_model_s_messages_only(tmp_path):

@@ -6,7 +6,9 @@ which the tokenizer's chat template renders (a Hugging Face model's tokenizer; a
 message from `system_prompt` is added when the row has none). Its last message's content is
 the row's prompt text: what reward plugins get as `prompts`, and what held-out splits and
 RFT group rows by. Fields other than prompt/messages and target become the row's `meta` and
-reach reward plugins as is.
+reach reward plugins as is. A `conversation` field is a multi-turn demonstration (RFT writes
+one for each row of a run with tools or an environment; SFT trains on it in such a run): the
+messages after the prompt, the model's (assistant) first and last, checked like `messages`.
 Blank lines are skipped; anything else that is not such an object is an error naming the file
 and line, so a typo never silently drops training data. The one exception is a last line with
 no newline that does not parse: a write cut short by a kill, skipped with a warning.
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mini_grpo.fields import ConfigError, unreadable
+from mini_grpo.fields import ConfigError, show, unreadable
 from mini_grpo.task_registry import register
 from mini_grpo.tasks.base import Example, TaskData, split_held_out
 
@@ -30,6 +32,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("mini_grpo.tasks")
 
 DEFAULT_REWARDS = [{"name": "levenshtein", "weight": 0.5}, {"name": "exact_match", "weight": 0.5}]
+
+# a conversation's messages: who may speak, how many (max_tool_calls' 64 rounds of a turn and
+# 17 answers fit), and a value's length (the chat template's bound on any one value)
+ROLES = ("assistant", "tool", "user", "system")
+MAX_MESSAGES = 2048
+MAX_CHARS = 1 << 20
 
 
 @dataclass
@@ -74,6 +82,8 @@ def load_jsonl(path, tokenizer=None,
                 if "prompt" in obj:
                     raise ConfigError(f"{where}: give \"prompt\" or \"messages\", not both")
                 obj["prompt"] = messages[-1]["content"]
+            if "conversation" in obj:
+                _conversation(obj["conversation"], where)
             for key in ("prompt", "target"):
                 if key not in obj:
                     raise ConfigError(f"{where}: missing \"{key}\"")
@@ -110,6 +120,24 @@ def _messages(value, where: str) -> list[dict]:
         raise ConfigError(f"{where}: the last message is the assistant's; a prompt ends with "
                           f"a message for the model to answer")
     return value
+
+
+def _conversation(value, where: str) -> None:
+    """A row's multi-turn demonstration, checked before SFT renders it: 1 to MAX_MESSAGES
+    messages, each an object of strings (at most MAX_CHARS long) with a role among ROLES and
+    a content, the first and the last the model's."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_MESSAGES:
+        raise ConfigError(f"{where}: \"conversation\" must be a list of 1 to {MAX_MESSAGES} "
+                          f"{{\"role\", \"content\"}} objects, got {show(value)}")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and "content" in m and all(
+                isinstance(v, str) and len(v) <= MAX_CHARS for v in m.values())):
+            raise ConfigError(f"{where}: conversation[{i}] must be an object of strings (at "
+                              f"most {MAX_CHARS} characters) with a \"role\" ("
+                              f"{', '.join(ROLES)}) and a \"content\", got {show(m)}")
+    if value[0]["role"] != "assistant" or value[-1]["role"] != "assistant":
+        raise ConfigError(f"{where}: \"conversation\" must open and end with the model's "
+                          f"(assistant) message")
 
 
 @register("jsonl", Args)
