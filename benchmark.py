@@ -220,7 +220,9 @@ def bench_step(cfg, warmup: int, steps: int, prompts_per_step: int | None = None
            "step_s": {"median": statistics.median(step_s), "min": min(step_s),
                       "max": max(step_s)},
            "per_step": {"step_s": step_s,
-                        "completion_len": [h["completion_len/mean"] for h in timed]},
+                        "completion_len": [h["completion_len/mean"] for h in timed],
+                        **({"tool_calls": [h["tools/calls"] for h in timed]}
+                           if timed and "tools/calls" in timed[0] else {})},
            "phase_s": {p: med(f"time/{p}") for p in phases},
            "generated_tokens_per_s": med("tokens_per_s"),
            "train_tokens_per_s": statistics.median(h["tokens/train"] / h["time/step"]

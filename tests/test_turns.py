@@ -496,3 +496,37 @@ def test_a_multi_turn_run_killed_mid_run_resumes_to_the_straight_run_s_weights(t
     assert rows(killed) == rows(straight)
     a, b = (load_file(out / "hf" / "model.safetensors") for out in (straight, killed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+GUESS = ["--config", "tiny", "--mode=grpo", "--use_amp=false", "--device=cpu",
+         "--reward_executor=serial", "--num_eval=4", "--task=jsonl",
+         "--data_path=examples/guess_number.jsonl",
+         "--environment=examples.guess_number:GuessNumber",
+         '--rewards=[{"name": "examples.guess_number:guesses", "weight": 1.0}]',
+         "--max_steps=2", "--eval_every=100", "--save_every=100", "--max_new_tokens=160",
+         "--block_size=512", "--temperature=1.5", "--prompts_per_step=2", "--group_size=4",
+         "--report_to=[]"]
+
+
+@pytest.mark.parametrize("how", ["lora", "fsdp"])
+def test_multi_turn_rollouts_train_lora_adapters_and_under_fsdp(tmp_path, how):
+    """The guess-the-number environment with LoRA adapters (one process) and under FSDP (2
+    ranks, each its own rows' environments): the turns are answered (rounds counted), the
+    run ends, and LoRA's base stays as it was."""
+    from conftest import entry, metrics, tiny_lm_dir, torchrun
+    from safetensors.torch import load_file
+
+    model = tiny_lm_dir(tmp_path / "lm")
+    args = [*GUESS, f"--init_from={model}", f"--out_dir={tmp_path / 'run'}"]
+    if how == "lora":
+        r = entry(*args, "--lora_r=4", "--lr=1e-2")
+    else:
+        r = torchrun("distributed_train.py", *args, "--parallelism=fsdp")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [m for m in metrics(tmp_path / "run") if "tools/rounds" in m]
+    assert [m["step"] for m in rows] == [1, 2] and sum(m["tools/rounds"] for m in rows) > 0
+    if how == "fsdp":
+        assert "rank 1 holds (fsdp over 2)" in r.stdout
+    else:  # the exported model is the base with the adapters folded in: it moved
+        base, out = (load_file(d / "model.safetensors") for d in (model, tmp_path / "run/hf"))
+        assert any(not torch.equal(out[k], v) for k, v in base.items() if k in out)

@@ -1,0 +1,211 @@
+"""A multi-turn GRPO step with the calculator tool against TRL's GRPOTrainer doing the same
+work, side by side (issue 40).
+
+    PYTHONPATH=<trl's site> python bench/trl_tools_step.py [--model DIR] [--warmup 1]
+        [--steps 3] [--out bench/trl_tools_step_<cpu>.json]
+
+Needs `pip install trl==1.16.*` (not a dependency of mini-grpo; with datasets, pandas and
+pyarrow) and a model that calls the tool: by default the calculator job's
+(runs/smollm2_calculator/hf: SmolLM2-135M-Instruct after its SFT and GRPO with the tool,
+`make calculator-job`). TRL reads tool calls only through the chat templates it knows, so
+both trainers get the model with TRL's own Qwen2.5 template (trl/chat_templates/
+qwen2_5.jinja: tools listed in the system message, Hermes <tool_call> JSON calls, results as
+<tool_response> blocks), copied into a temporary directory.
+
+The work: 8 calculator-task training prompts (our task's, as user messages), 8 completions
+each (64 rows) of at most 80 tokens in all (the model's turns and the tool's results; TRL's
+max_completion_length means the same), sampled at temperature 0.7, at most 2 tool rounds
+(TRL: max_tool_calling_iterations), rewards numeric_format (0.1) + numeric_answer (0.9) on the
+last turn, one policy pass over the 64 rows in micro-batches of 16 (TRL: batch 16 x 4
+accumulation steps), the DAPO loss, clip 0.2/0.28, beta 0, AdamW at lr 1e-5. Every group is
+trained on (our dynamic_sampling off). Both on 2 threads, one process each. TRL runs in fp32
+and with bf16=True; its faster one is the baseline. Each step is timed end to end (TRL:
+between on_step_end callbacks; ours: the trainer's time/step) after `--warmup` steps, with
+the completion length and the tool calls per rollout beside it (the prompts differ: each
+trainer draws its own from the same training set)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from trl_step import summary  # noqa: E402
+
+MODEL = ROOT / "runs" / "smollm2_calculator" / "hf"
+WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=1e-5,
+            max_tool_rounds=2)
+
+
+def with_template(model: Path, out: Path) -> Path:
+    """A copy of `model` whose tokenizer carries TRL's Qwen2.5 chat template."""
+    from importlib.resources import files
+
+    from transformers import AutoTokenizer
+
+    template = (files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    out.mkdir(parents=True)
+    for f in model.iterdir():
+        if f.name not in ("tokenizer_config.json", "chat_template.jinja", "tokenizer.json"):
+            shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = template
+    tok.save_pretrained(out)
+    return out
+
+
+def last_turn(completion) -> str:
+    """The text a reward reads: a conversational completion's last message of the model's."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
+
+
+def run_trl(model: Path, precision: str, warmup: int, steps: int) -> dict:
+    """TRL's GRPOTrainer on the work, in this process."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mini_grpo.config import GRPOConfig as OurConfig
+    from mini_grpo.rewards.answers import numeric_answer, numeric_format
+    from mini_grpo.tasks.calculator import Args, build
+    from mini_grpo.tools import calculator
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    task = build(OurConfig(task="calculator", num_eval=600), Args())
+    rows = [{"prompt": [{"role": "user", "content": ex.prompt}], "target": ex.target}
+            for ex in task.train[:2000]]
+
+    def fmt(prompts, completions, target, **kw):
+        return numeric_format(prompts, [last_turn(c) for c in completions], target,
+                              [{}] * len(target))
+
+    def answer(prompts, completions, target, **kw):
+        return numeric_answer(prompts, [last_turn(c) for c in completions], target,
+                              [{}] * len(target))
+
+    ends: list[float] = []
+    logged: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                logged.append(logs)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=WORK["micro"],
+            gradient_accumulation_steps=WORK["prompts"] * WORK["group"] // WORK["micro"],
+            num_generations=WORK["group"], max_completion_length=WORK["new_tokens"],
+            max_tool_calling_iterations=WORK["max_tool_rounds"],
+            temperature=WORK["temperature"], top_k=0, top_p=1.0, beta=0.0,
+            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", learning_rate=WORK["lr"],
+            use_cpu=True, bf16=precision == "bf16", gradient_checkpointing=False,
+            logging_steps=1, report_to=[], save_strategy="no", seed=0,
+            reward_weights=[0.1, 0.9], dataloader_num_workers=0, disable_tqdm=True)
+        tok = AutoTokenizer.from_pretrained(model)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        trainer = GRPOTrainer(model=policy, args=args, processing_class=tok,
+                              reward_funcs=[fmt, answer], train_dataset=Dataset.from_list(rows),
+                              tools=[calculator], callbacks=[Clock()])
+        trainer.train()
+    step_s = [b - a for a, b in zip(ends, ends[1:])][warmup:]
+    logged = logged[warmup:]
+    out = summary(step_s, [g["completions/mean_length"] for g in logged], precision=precision,
+                  trl=__import__("trl").__version__)
+    out["tool_calls"] = [g.get("tools/call_frequency") for g in logged]
+    out["reward"] = [g.get("reward") for g in logged]
+    out["rss_peak_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def run_ours(model: Path, warmup: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config",
+                        "smollm2_calculator", "--only", "step", "--warmup", str(warmup),
+                        "--steps", str(steps), "--budget_s", "0", "--json", str(out),
+                        f"--init_from={model}", "--dynamic_sampling=false",
+                        f"--prompts_per_step={WORK['prompts']}", f"--group_size={WORK['group']}",
+                        f"--max_new_tokens={WORK['new_tokens']}",
+                        f"--micro_batch_size={WORK['micro']}",
+                        f"--temperature={WORK['temperature']}", f"--lr={WORK['lr']}",
+                        f"--max_tool_calls={WORK['max_tool_rounds']}", "--loss_agg=dapo",
+                        "--beta=0"], check=True, cwd=ROOT)
+        r = json.loads(out.read_text())
+    step = r["step"]
+    got = summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
+                  precision=step["precision"], phase_s=step["phase_s"])
+    got["tool_calls"] = step["per_step"].get("tool_calls")
+    got["rss_peak_MiB"] = r.get("memory", {}).get("rss_peak_MiB")
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--trl", choices=["fp32", "bf16"], help=argparse.SUPPRESS)  # one child run
+    a = ap.parse_args()
+    if a.trl:
+        print(json.dumps(run_trl(Path(a.model), a.trl, a.warmup, a.steps)))
+        return 0
+    if not (Path(a.model) / "config.json").exists():
+        sys.exit(f"{a.model}: not found; run `make calculator-job` first (or pass --model)")
+    from mini_grpo.dtype_probe import cpu_name
+
+    results = {"cpu": cpu_name(), "work": WORK, "warmup": a.warmup, "steps": a.steps,
+               "model": "the calculator job's (SmolLM2-135M-Instruct after SFT and GRPO with "
+                        "the tool), with TRL's Qwen2.5 chat template"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = with_template(Path(a.model), Path(tmp) / "model")
+        results["mini_grpo"] = run_ours(model, a.warmup, a.steps)
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        for precision in ("fp32", "bf16"):
+            r = subprocess.run([sys.executable, __file__, "--trl", precision, "--model",
+                                str(model), "--warmup", str(a.warmup), "--steps", str(a.steps)],
+                               cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
+            results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
+    best = min(("trl_fp32", "trl_bf16"), key=lambda k: results[k]["median_step_s"])
+    ours = results["mini_grpo"]
+    results["baseline"] = best
+    results["ratio_step"] = ours["median_step_s"] / results[best]["median_step_s"]
+    results["ratio_per_generated_token"] = (ours["median_s_per_generated_token"]
+                                            / results[best]["median_s_per_generated_token"])
+    for k in ("mini_grpo", "trl_fp32", "trl_bf16"):
+        r = results[k]
+        calls = [c for c in r.get("tool_calls") or [] if c is not None]
+        print(f"{k:10s} step {r['median_step_s']:6.1f} s  "
+              f"({1e3 * r['median_s_per_generated_token']:.2f} ms per generated token, "
+              f"mean completion {statistics.mean(r['completion_len']):.1f} tokens, "
+              f"{statistics.mean(calls) if calls else float('nan'):.2f} calls per rollout)")
+    print(f"mini-grpo / TRL ({best}): {results['ratio_step']:.2f}x the time per step, "
+          f"{results['ratio_per_generated_token']:.2f}x per generated token")
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
