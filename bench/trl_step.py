@@ -41,9 +41,6 @@ WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=2e-
 def run_trl(precision: str, warmup: int, steps: int) -> dict:
     """TRL's GRPOTrainer on the job's work, in this process."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from mini_grpo.config import GRPOConfig as OurConfig
     from mini_grpo.rewards.answers import numeric_answer, numeric_format
@@ -65,8 +62,24 @@ def run_trl(precision: str, warmup: int, steps: int) -> dict:
         return numeric_answer(prompts, [text(c) for c in completions], target,
                               [{}] * len(target))
 
+    step_s, logged = timed_trl(MODEL, rows, [fmt, answer], precision, warmup, steps, WORK)
+    return summary(step_s, [g["completions/mean_length"] for g in logged], precision=precision,
+                   trl=__import__("trl").__version__)
+
+
+def timed_trl(model, rows: list[dict], reward_funcs: list, precision: str, warmup: int,
+              steps: int, work: dict, **extra) -> tuple[list[float], list[dict]]:
+    """TRL's GRPOTrainer on `work` (prompts, group, new_tokens, micro, temperature, lr) with
+    `extra` GRPOConfig options (tools' too: tools=[...] goes to the trainer) -> (each timed
+    step's seconds, each timed step's logged metrics)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tools = extra.pop("tools", None)
     ends: list[float] = []
-    lengths: list[float] = []
+    logged: list[dict] = []
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -77,27 +90,25 @@ def run_trl(precision: str, warmup: int, steps: int) -> dict:
 
         def on_log(self, args, state, control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
+                logged.append(logs)
 
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
-            output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=WORK["micro"],
-            gradient_accumulation_steps=WORK["prompts"] * WORK["group"] // WORK["micro"],
-            num_generations=WORK["group"], max_completion_length=WORK["new_tokens"],
-            temperature=WORK["temperature"], top_k=0, top_p=1.0, beta=0.0,
-            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", learning_rate=WORK["lr"],
+            output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=work["micro"],
+            gradient_accumulation_steps=work["prompts"] * work["group"] // work["micro"],
+            num_generations=work["group"], max_completion_length=work["new_tokens"],
+            temperature=work["temperature"], top_k=0, top_p=1.0, beta=0.0,
+            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", learning_rate=work["lr"],
             use_cpu=True, bf16=precision == "bf16", gradient_checkpointing=False,
             logging_steps=1, report_to=[], save_strategy="no", seed=0,
-            reward_weights=[0.1, 0.9], dataloader_num_workers=0, disable_tqdm=True)
-        tok = AutoTokenizer.from_pretrained(MODEL)
-        model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-        trainer = GRPOTrainer(model=model, args=args, processing_class=tok,
-                              reward_funcs=[fmt, answer], train_dataset=Dataset.from_list(rows),
-                              callbacks=[Clock()])
+            reward_weights=[0.1, 0.9], dataloader_num_workers=0, disable_tqdm=True, **extra)
+        tok = AutoTokenizer.from_pretrained(model)
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        trainer = GRPOTrainer(model=policy, args=args, processing_class=tok,
+                              reward_funcs=reward_funcs, train_dataset=Dataset.from_list(rows),
+                              callbacks=[Clock()], **({"tools": tools} if tools else {}))
         trainer.train()
-    step_s = [b - a for a, b in zip(ends, ends[1:])][warmup:]
-    lens = lengths[warmup:]
-    return summary(step_s, lens, precision=precision, trl=__import__("trl").__version__)
+    return [b - a for a, b in zip(ends, ends[1:])][warmup:], logged[warmup:]
 
 
 def summary(step_s: list[float], lens: list[float], **extra) -> dict:

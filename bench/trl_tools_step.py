@@ -35,12 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from trl_step import summary  # noqa: E402
+from trl_step import summary, timed_trl  # noqa: E402
 
 MODEL = ROOT / "runs" / "smollm2_calculator" / "hf"
 WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=1e-5,
@@ -74,9 +73,6 @@ def last_turn(completion) -> str:
 def run_trl(model: Path, precision: str, warmup: int, steps: int) -> dict:
     """TRL's GRPOTrainer on the work, in this process."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from mini_grpo.config import GRPOConfig as OurConfig
     from mini_grpo.rewards.answers import numeric_answer, numeric_format
@@ -97,39 +93,9 @@ def run_trl(model: Path, precision: str, warmup: int, steps: int) -> dict:
         return numeric_answer(prompts, [last_turn(c) for c in completions], target,
                               [{}] * len(target))
 
-    ends: list[float] = []
-    logged: list[dict] = []
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            ends.append(time.perf_counter())
-
-        def on_step_end(self, *a, **k):
-            ends.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **k):
-            if logs and "completions/mean_length" in logs:
-                logged.append(logs)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(
-            output_dir=tmp, max_steps=warmup + steps, per_device_train_batch_size=WORK["micro"],
-            gradient_accumulation_steps=WORK["prompts"] * WORK["group"] // WORK["micro"],
-            num_generations=WORK["group"], max_completion_length=WORK["new_tokens"],
-            max_tool_calling_iterations=WORK["max_tool_rounds"],
-            temperature=WORK["temperature"], top_k=0, top_p=1.0, beta=0.0,
-            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", learning_rate=WORK["lr"],
-            use_cpu=True, bf16=precision == "bf16", gradient_checkpointing=False,
-            logging_steps=1, report_to=[], save_strategy="no", seed=0,
-            reward_weights=[0.1, 0.9], dataloader_num_workers=0, disable_tqdm=True)
-        tok = AutoTokenizer.from_pretrained(model)
-        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        trainer = GRPOTrainer(model=policy, args=args, processing_class=tok,
-                              reward_funcs=[fmt, answer], train_dataset=Dataset.from_list(rows),
-                              tools=[calculator], callbacks=[Clock()])
-        trainer.train()
-    step_s = [b - a for a, b in zip(ends, ends[1:])][warmup:]
-    logged = logged[warmup:]
+    step_s, logged = timed_trl(model, rows, [fmt, answer], precision, warmup, steps, WORK,
+                               max_tool_calling_iterations=WORK["max_tool_rounds"],
+                               tools=[calculator])
     out = summary(step_s, [g["completions/mean_length"] for g in logged], precision=precision,
                   trl=__import__("trl").__version__)
     out["tool_calls"] = [g.get("tools/call_frequency") for g in logged]
