@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The device checks of a session lent a GPU, as one call of the `device` tool (15 minutes of
+# device time in all, one command at most 10): the test suite on cuda first, then the
+# production benchmark's step section with torch.compile's recompiles logged.
+#
+#   here, once: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#       --platform manylinux_2_17_x86_64 -d .whl chess==1.11.2 rapidfuzz==3.14.6 gguf==0.19.0
+#       (.whl/ ignored through .git/info/exclude)
+#   device run: command "bash bench/gpu_check.sh", carry [".whl"], timeout_s 590
+#
+# Everything lands under $OUT (the logs, junit.xml, the benchmark's JSON). What the last runs
+# taught (bench/gpu_h200_second_run.json): the suite needs ~420 s at -n 14 on an H200 machine;
+# pyproject's -q outweighs -v unless addopts is emptied, and without --tb the failures'
+# tracebacks come only in the summary, which a time limit cuts off.
+export PYTHONUNBUFFERED=1
+T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | tail -2
+nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+el tests
+timeout "${SUITE_S:-420}" python3 -m pytest -o addopts= -v -n "${WORKERS:-14}" --timeout 170 \
+    --tb=short -p no:cacheprovider tests/ --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$?"
+grep -aE " (FAILED|ERROR) |^(FAILED|ERROR)|[0-9]+ passed" "$OUT/pytest.log" | tail -40
+el step
+TORCH_LOGS=recompiles timeout "${STEP_S:-140}" python3 benchmark.py --config production.yaml \
+    --only step --warmup 1 --steps 3 --json "$OUT/production_step_gpu.json" \
+    > "$OUT/step.log" 2>&1
+echo "step rc=$?"
+grep -aE "Recompiling|triggered by|- [0-9]+/[0-9]+:|GRPO step|median" "$OUT/step.log" | head -30
+el end
