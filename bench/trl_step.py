@@ -131,6 +131,26 @@ def run_ours(warmup: int, steps: int) -> dict:
                    precision=step["precision"], phase_s=step["phase_s"])
 
 
+def compare(results: dict) -> None:
+    """The faster TRL run as the baseline, our ratios to it (into `results`), and a line per
+    trainer (tool calls per rollout too, where the runs counted them)."""
+    best = min(("trl_fp32", "trl_bf16"), key=lambda k: results[k]["median_step_s"])
+    ours = results["mini_grpo"]
+    results["baseline"] = best
+    results["ratio_step"] = ours["median_step_s"] / results[best]["median_step_s"]
+    results["ratio_per_generated_token"] = (ours["median_s_per_generated_token"]
+                                            / results[best]["median_s_per_generated_token"])
+    for k in ("mini_grpo", "trl_fp32", "trl_bf16"):
+        r = results[k]
+        calls = [c for c in r.get("tool_calls") or [] if c is not None]
+        print(f"{k:10s} step {r['median_step_s']:6.1f} s  "
+              f"({1e3 * r['median_s_per_generated_token']:.2f} ms per generated token, "
+              f"mean completion {statistics.mean(r['completion_len']):.1f} tokens"
+              + (f", {statistics.mean(calls):.2f} calls per rollout" if calls else "") + ")")
+    print(f"mini-grpo / TRL ({best}): {results['ratio_step']:.2f}x the time per step, "
+          f"{results['ratio_per_generated_token']:.2f}x per generated token")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--warmup", type=int, default=1)
@@ -153,19 +173,7 @@ def main() -> int:
                             str(a.warmup), "--steps", str(a.steps)], cwd=ROOT, env=env,
                            check=True, stdout=subprocess.PIPE, text=True)
         results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
-    best = min(("trl_fp32", "trl_bf16"), key=lambda k: results[k]["median_step_s"])
-    ours = results["mini_grpo"]
-    results["baseline"] = best
-    results["ratio_step"] = ours["median_step_s"] / results[best]["median_step_s"]
-    results["ratio_per_generated_token"] = (ours["median_s_per_generated_token"]
-                                            / results[best]["median_s_per_generated_token"])
-    for k in ("mini_grpo", "trl_fp32", "trl_bf16"):
-        r = results[k]
-        print(f"{k:10s} step {r['median_step_s']:6.1f} s  "
-              f"({1e3 * r['median_s_per_generated_token']:.2f} ms per generated token, "
-              f"mean completion {statistics.mean(r['completion_len']):.1f} tokens)")
-    print(f"mini-grpo / TRL ({best}): {results['ratio_step']:.2f}x the time per step, "
-          f"{results['ratio_per_generated_token']:.2f}x per generated token")
+    compare(results)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

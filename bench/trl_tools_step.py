@@ -31,7 +31,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from trl_step import summary, timed_trl  # noqa: E402
+from trl_step import compare, summary, timed_trl  # noqa: E402
 
 MODEL = ROOT / "runs" / "smollm2_calculator" / "hf"
 WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=1e-5,
@@ -153,21 +152,7 @@ def main() -> int:
                                 str(model), "--warmup", str(a.warmup), "--steps", str(a.steps)],
                                cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
             results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
-    best = min(("trl_fp32", "trl_bf16"), key=lambda k: results[k]["median_step_s"])
-    ours = results["mini_grpo"]
-    results["baseline"] = best
-    results["ratio_step"] = ours["median_step_s"] / results[best]["median_step_s"]
-    results["ratio_per_generated_token"] = (ours["median_s_per_generated_token"]
-                                            / results[best]["median_s_per_generated_token"])
-    for k in ("mini_grpo", "trl_fp32", "trl_bf16"):
-        r = results[k]
-        calls = [c for c in r.get("tool_calls") or [] if c is not None]
-        print(f"{k:10s} step {r['median_step_s']:6.1f} s  "
-              f"({1e3 * r['median_s_per_generated_token']:.2f} ms per generated token, "
-              f"mean completion {statistics.mean(r['completion_len']):.1f} tokens, "
-              f"{statistics.mean(calls) if calls else float('nan'):.2f} calls per rollout)")
-    print(f"mini-grpo / TRL ({best}): {results['ratio_step']:.2f}x the time per step, "
-          f"{results['ratio_per_generated_token']:.2f}x per generated token")
+    compare(results)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
