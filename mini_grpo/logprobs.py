@@ -25,6 +25,18 @@ def head_weight(model) -> torch.Tensor:
     return model.head_weight() if hasattr(model, "head_weight") else model.lm_head.weight
 
 
+def widen_prompts(prompt_ids, prompt_mask, multiple: int = 8):
+    """Left-padded prompts (U, P) widened on the left to a multiple of `multiple` columns of
+    hidden pads; positions come from the mask, so the log-probs stay the same. On a GPU a
+    compiled model guards on the prompts' width being a multiple of 8 (inductor's alignment
+    check) and compiled its forward again for each step whose width was not."""
+    pad = -prompt_ids.size(1) % multiple
+    if not pad:
+        return prompt_ids, prompt_mask
+    return (torch.nn.functional.pad(prompt_ids, (pad, 0), value=0),
+            torch.nn.functional.pad(prompt_mask, (pad, 0), value=False))
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature: float = 1.0, prompt_index=None, entropy: bool = False):
     """logp (B, N) of the completion tokens, and with `entropy=True` also the entropy (B, N)
@@ -35,6 +47,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """
     if prompt_index is None:
         prompt_index = torch.arange(completion_ids.size(0), device=completion_ids.device)
+    if prompt_ids.is_cuda:
+        prompt_ids, prompt_mask = widen_prompts(prompt_ids, prompt_mask)
     h = model(completion_ids, prefix=(prompt_ids, prompt_mask, prompt_index), hidden=True)
     out = token_logprobs(h, head_weight(model), completion_ids, temperature, entropy=entropy)
     if not entropy:

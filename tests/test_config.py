@@ -108,7 +108,8 @@ def test_bare_name_is_looked_up_in_configs():
     ("", ["--top_k=1000000000000"], {}, ["top_k: must be in 0..1048576"]),
     ("", ["--warmup_steps=1000000000000000000"], {}, ["warmup_steps: must be in 0..10000000"]),
     ("", ["--save_every=1000000000000000000"], {}, ["save_every: must be in 1..10000000"]),
-    ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true", "--init_from=x"], {},
+    ("seed: 1\n", ["--rollout_engine=vllm", "--vllm_sleep=true", "--init_from=x",
+                   "--device=cpu"], {},  # refused on the CPU, also on a machine with a GPU
      ["vllm_sleep: sleep mode gives GPU memory back", "needs a GPU"]),
 ])
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, yaml_text, args, env, expected):

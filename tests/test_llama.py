@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from mini_grpo.checkpoint import CheckpointError  # noqa: E402
 from mini_grpo.engines.base import pad_left  # noqa: E402
 from mini_grpo.engines.native import generate  # noqa: E402
-from mini_grpo.logprobs import completion_logprobs  # noqa: E402
+from mini_grpo.logprobs import completion_logprobs, widen_prompts  # noqa: E402
 from mini_grpo.models import Llama, LlamaConfig, attention_mask, positions  # noqa: E402
 from mini_grpo.models.hf import load_hf_model, save_hf  # noqa: E402
 
@@ -203,6 +203,12 @@ def test_shared_prompt_pass_equals_full_pass_values_and_gradients(saved, name):
     with torch.no_grad():  # and transformers' own pass over prompt + completion
         want = full_logprobs(lambda s, v: hf_logits(hf, s, v), *batch)
     torch.testing.assert_close(lp_s, want, rtol=0, atol=1e-4)
+    # prompts widened with hidden pads (as a GPU pass aligns them for a compiled model)
+    wide_ids, wide_mask = widen_prompts(pids, pmask, pids.size(1) + 5)
+    assert wide_ids.size(1) > pids.size(1)
+    with torch.no_grad():
+        lp_w = completion_logprobs(ours, wide_ids, wide_mask, comp, cmask, prompt_index=index)
+    torch.testing.assert_close(lp_w, lp_s, rtol=0, atol=1e-5)
 
 
 # 4. greedy generation ----------------------------------------------------------------------

@@ -2,7 +2,7 @@ import torch
 from conftest import tiny_gpt
 
 from mini_grpo.engines.native import generate, sample
-from mini_grpo.logprobs import completion_logprobs
+from mini_grpo.logprobs import completion_logprobs, widen_prompts
 from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.tokenizer import CharTokenizer
 
@@ -151,6 +151,11 @@ def test_shared_prompt_pass_equals_the_full_pass_with_gradients():
         used = groups[order].unique()
         lp = completion_logprobs(m, r.prompt_ids[used * G], r.prompt_mask[used * G],
                                  r.completion_ids[order], r.completion_mask[order],
+                                 prompt_index=torch.searchsorted(used, groups[order]))
+        torch.testing.assert_close(lp, r.logprobs[order], rtol=0, atol=1e-5)
+        wide = widen_prompts(r.prompt_ids[used * G], r.prompt_mask[used * G], 16)
+        assert wide[0].size(1) == 16 > r.prompt_ids.size(1)  # learned positions see pads too
+        lp = completion_logprobs(m, *wide, r.completion_ids[order], r.completion_mask[order],
                                  prompt_index=torch.searchsorted(used, groups[order]))
         torch.testing.assert_close(lp, r.logprobs[order], rtol=0, atol=1e-5)
 
