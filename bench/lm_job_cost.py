@@ -35,15 +35,10 @@ PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
           ("eval_after", re.compile(r"^\[eval\] step [1-9]\d* sampled"))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out_dir", required=True, help="the job's out_dir (new or its own)")
-    ap.add_argument("--json", default="", help="write the figures here")
-    ap.add_argument("--config", default="smollm2_numeric", help="the job's config")
-    ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
-    a = ap.parse_args()
-    args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", a.config,
-            f"--out_dir={a.out_dir}", *a.extra]
+def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()) -> dict:
+    """Runs the job once (its output passes through) and returns its figures."""
+    args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", config,
+            f"--out_dir={out_dir}", *extra]
     t0 = time.perf_counter()
     ends: dict[str, float] = {}
     p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -57,7 +52,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"the job failed (exit {os.waitstatus_to_exitcode(status)})")
-    out = Path(a.out_dir)
+    out = Path(out_dir)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
 
@@ -70,13 +65,23 @@ def main() -> int:
         start = ends[name]
     ev = json.loads((out / "eval.json").read_text())
     from mini_grpo.dtype_probe import cpu_name
-    result = {"cpu": cpu_name(), "args": a.extra, "wall_s": round(wall, 1),
+    return {"cpu": cpu_name(), "args": list(extra), "wall_s": round(wall, 1),
               "wall_min": round(wall / 60, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
               "phase_s": phases, "grpo_steps": len(steps),
               "grpo_median_s": {k: median(f"time/{k}")
                                 for k in ("step", "generate", "reward", "policy", "optimizer")},
               "grpo_rss_gb": [round(r["mem/rss_gb"], 2) for r in steps],
               "eval": ev}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out_dir", required=True, help="the job's out_dir (new or its own)")
+    ap.add_argument("--json", default="", help="write the figures here")
+    ap.add_argument("--config", default="smollm2_numeric", help="the job's config")
+    ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
+    a = ap.parse_args()
+    result = measure(a.out_dir, a.config, a.extra)
     print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")

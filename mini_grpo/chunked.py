@@ -6,13 +6,13 @@ that autograd keeps for backward. `token_logprobs` instead computes the logits o
 `chunk_tokens` tokens at a time, keeps only a per-token logsumexp for backward, and recomputes
 each chunk's logits there, so (chunk, V) is the largest vocab-sized tensor ever alive.
 Gradients flow to the hidden states and to the weight (tied to an embedding or not: they
-accumulate into it as usual). Small inputs take the plain one-shot path, identical to today's.
+accumulate into it as usual). Inputs that fit one chunk keep their softmax for backward (made
+in place of the log-softmax) instead of computing the logits again.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 LOGITS_BUDGET_BYTES = 256 * 2**20  # one chunk's fp32 logits stay under this by default
 # SFT on a CPU: its passes take the LM head over every token of a micro-batch (1024 in the LM
@@ -20,6 +20,7 @@ LOGITS_BUDGET_BYTES = 256 * 2**20  # one chunk's fp32 logits stay under this by 
 # the LM job's SFT stage at 5.0 instead of 5.2-5.4 GB for 6% of its tokens/s; GRPO's passes
 # keep the default, where the same chunks cost 12% of the policy pass (docs/results.md)
 SFT_CPU_BUDGET_BYTES = 32 * 2**20
+ENTROPY_ROWS = 64  # entropy's (rows, V) temporary, beside a chunk's logits
 
 
 def _acc_dtype(dtype):
@@ -35,19 +36,27 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         # dtype is the inputs' dtype in forward and backward alike
         acc = _acc_dtype(h.dtype)
         N = h.size(0)
-        lse = torch.empty(N, dtype=acc, device=h.device)  # (N,) all backward needs besides inputs
+        lse = torch.empty(N, dtype=acc, device=h.device)  # (N,) logsumexp, for recomputing
         logp = torch.empty_like(lse)
         ent = torch.empty_like(lse) if want_ent else None
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, N, chunk):
                 e = min(s + chunk, N)
-                logits = (h[s:e] @ w.T).to(acc).div_(temperature)  # (n, V)
-                lse[s:e] = logits.logsumexp(-1)
-                logp[s:e] = logits.gather(-1, t[s:e, None]).squeeze(-1) - lse[s:e]
-                if want_ent:  # forward runs without autograd: entropy never joins the graph
-                    p = (logits - lse[s:e, None]).exp_()  # (n, V)
-                    ent[s:e] = lse[s:e] - (p * logits).sum(-1)
-        ctx.save_for_backward(h, w, t, lse)
+                logits = (h[s:e] @ w.T).to(acc)  # (n, V)
+                if temperature != 1.0:
+                    logits.div_(temperature)
+                lsm = torch.log_softmax(logits, -1)  # one fused kernel (logsumexp keeps 2 temps)
+                if N > chunk:  # recomputing backward's softmax needs it; at the max, exactly
+                    top, at = logits.max(-1, keepdim=True)
+                    lse[s:e] = (top - lsm.gather(-1, at)).squeeze(-1)
+                del logits
+                logp[s:e] = lsm.gather(-1, t[s:e, None]).squeeze(-1)
+                for a in range(s, e, ENTROPY_ROWS) if want_ent else ():  # no autograd here:
+                    z = lsm[a - s:min(a + ENTROPY_ROWS, e) - s]  # entropy never joins the graph
+                    ent[a:a + z.size(0)] = -z.exp().mul_(z).sum(-1)
+        # one chunk: its softmax is kept for backward (made from the log-softmax in place)
+        # instead of the logits computed again there
+        ctx.save_for_backward(h, w, t, lse, lsm.exp_() if N <= chunk else None)
         ctx.temperature, ctx.chunk = temperature, chunk
         if want_ent:
             ctx.mark_non_differentiable(ent)
@@ -55,7 +64,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _g_ent):
-        h, w, t, lse = ctx.saved_tensors
+        h, w, t, lse, kept = ctx.saved_tensors
         T, chunk, N = ctx.temperature, ctx.chunk, h.size(0)
         need_h, need_w = ctx.needs_input_grad[:2]
         gh = torch.empty_like(h) if need_h else None
@@ -63,10 +72,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, N, chunk):
                 e = min(s + chunk, N)
-                logits = (h[s:e] @ w.T).to(lse.dtype).div_(T)  # (n, V), recomputed
                 gT = (g[s:e] / T)[:, None]  # (n, 1)
-                # d logp / d logits = (onehot(target) - softmax) / T, built in place on the logits
-                grad = (logits - lse[s:e, None]).exp_().mul_(-gT)  # (n, V)
+                # d logp / d logits = (onehot(target) - softmax) / T, built in place on the
+                # softmax: the forward's (one chunk; a second backward of this graph fails
+                # autograd's check that saved tensors were not modified) or recomputed
+                p = kept if kept is not None else \
+                    (h[s:e] @ w.T).to(lse.dtype).div_(T).sub_(lse[s:e, None]).exp_()
+                grad = p.mul_(-gT)  # (n, V)
                 grad.scatter_add_(1, t[s:e, None], gT)
                 grad = grad.to(h.dtype)  # matmuls in the forward's dtype, like F.linear's backward
                 if need_h:
@@ -88,18 +100,12 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, 
 
     chunk_tokens: most tokens whose logits exist at once; None = as many as keep a chunk's
     fp32 logits under `budget_bytes` (default LOGITS_BUDGET_BYTES). With no more tokens than
-    that, the plain one-shot computation runs (fast path, identical to the unchunked one)."""
+    that, one chunk: its softmax is kept for backward, which makes the gradient in its place,
+    so the pass computes the logits once and holds 8 bytes a logit at most, with entropy (the
+    log_softmax autograd path before held 14 under bf16 autocast, 16 in fp32)."""
     V, C = weight.shape
     if chunk_tokens is None:
         chunk_tokens = max(1, ((budget_bytes or LOGITS_BUDGET_BYTES) // 4) // V)
-    if targets.numel() <= chunk_tokens:
-        logits = F.linear(hidden, weight)  # (..., V)
-        logp_all = F.log_softmax(logits.to(_acc_dtype(logits.dtype)) / temperature, dim=-1)
-        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-        if not entropy:
-            return logp
-        with torch.no_grad():
-            return logp, -(logp_all.exp() * logp_all).sum(-1)
     # a custom Function sees autocast but is not cast by it: cast as F.linear would
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):

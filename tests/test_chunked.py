@@ -1,10 +1,13 @@
 """token_logprobs (chunked over tokens) against the plain one-shot log_softmax computation."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mini_grpo import chunked
 from mini_grpo.chunked import token_logprobs
 
 B, N, C, V = 3, 7, 16, 50
@@ -120,3 +123,44 @@ def test_peak_logits_bounded_by_chunk(entropy):
     assert run(lambda: reference(h, w, t) if entropy else reference(h, w, t)[0]) == B * N * V
     largest = run(lambda: token_logprobs(h, w, t, chunk_tokens=chunk, entropy=entropy))
     assert 0 < largest <= chunk * V
+
+
+class LiveVocabBytes(TorchDispatchMode):
+    """The most bytes of vocabulary-sized tensors alive at once (fresh op outputs whose last
+    dimension is the vocabulary, freed when nothing holds them): counts, no timing."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.live, self.peak = vocab, 0, 0
+
+    def _freed(self, n):
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor) and o.dim() and o.shape[-1] == self.vocab:
+                    n = o.numel() * o.element_size()
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(o, self._freed, n)
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_one_chunk_keeps_its_logits_and_holds_fewer_bytes_than_log_softmax(autocast, monkeypatch):
+    """Inputs that fit one chunk: the forward's softmax serves the backward (no second matmul)
+    and, entropy taken 4 rows at a time, the pass holds at most 8 bytes a logit at once (the
+    logits and their log-softmax), plus entropy's rows; log_softmax's autograd held 12+."""
+    monkeypatch.setattr(chunked, "ENTROPY_ROWS", 4)
+    h, w, t, mask, up = make()
+    peaks = []
+    for fn in (lambda: reference(h, w, t), lambda: token_logprobs(h, w, t, entropy=True)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with LiveVocabBytes(V) as probe:
+                logp, _ = fn()
+                loss(logp, mask, up).backward()
+        peaks.append(probe.peak / (B * N * V))
+    rows = 4 * 4 / (B * N)  # entropy's (4, V) fp32 temporary, per logit
+    assert peaks[1] <= 8 + rows + 1e-9 and peaks[0] >= 12, peaks
