@@ -8,9 +8,10 @@ calculator job; nothing else heavy beside it):
 The job runs as a child process (its output passes through); the peak is the child's maximum
 RSS (wait4), and each phase's end is the moment its closing line appeared: the base model's
 evaluation, an SFT stage, RFT's generation, its SFT steps, the GRPO steps (with the
-evaluation after RFT before them), the final evaluation. GRPO's per-step figures (median
-time, generation, policy pass; RSS after each step) come from metrics.jsonl, the accuracies
-from eval.json.
+evaluation after RFT before them), the final evaluation; the child's peak RSS so far (VmHWM)
+is read at each of those moments, so the phase that set the peak shows. GRPO's per-step
+figures (median time, generation, policy pass; RSS after each step) come from metrics.jsonl,
+the accuracies from eval.json.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
           ("eval_after", re.compile(r"^\[eval\] step [1-9]\d* sampled"))]
 
 
+def peak_so_far(pid: int) -> float | None:
+    """A live process's peak resident memory so far (VmHWM, GiB); None off Linux."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kib = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kib / 2**20, 2)
+
+
 def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()) -> dict:
     """Runs the job once (its output passes through) and returns its figures."""
     args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", config,
@@ -43,11 +54,13 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
     ends: dict[str, float] = {}
     p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, bufsize=1)
+    hwm: dict[str, float] = {}  # the child's peak RSS (GiB) when each phase ended
     for line in p.stdout:
         sys.stdout.write(line)
         for name, pattern in PHASES:
             if name not in ends and pattern.search(line):
                 ends[name] = round(time.perf_counter() - t0, 1)
+                hwm[name] = peak_so_far(p.pid)
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
@@ -67,7 +80,7 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
     from mini_grpo.dtype_probe import cpu_name
     return {"cpu": cpu_name(), "args": list(extra), "wall_s": round(wall, 1),
               "wall_min": round(wall / 60, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
-              "phase_s": phases, "grpo_steps": len(steps),
+              "phase_s": phases, "peak_rss_gb_by_phase_end": hwm, "grpo_steps": len(steps),
               "grpo_median_s": {k: median(f"time/{k}")
                                 for k in ("step", "generate", "reward", "policy", "optimizer")},
               "grpo_rss_gb": [round(r["mem/rss_gb"], 2) for r in steps],

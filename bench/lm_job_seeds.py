@@ -36,6 +36,7 @@ def row(name: str, seed: int, r: dict) -> dict:
     return {"name": name, "seed": seed, "cpu": r["cpu"], "args": r["args"],
             "wall_min": r["wall_min"], "peak_rss_gb": r["peak_rss_gb"],
             "grpo_median_step_s": r["grpo_median_s"]["step"], "phase_s": r["phase_s"],
+            "peak_rss_gb_by_phase_end": r.get("peak_rss_gb_by_phase_end"),
             "n": ev["after"]["greedy"]["n"],
             "greedy_before": acc("before", "greedy"), "greedy_after": acc("after", "greedy"),
             "sampled_before": acc("before", "sampled"),
