@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .engines import Sampling
+from .precision import release_freed_memory
 from .rewards.text import exact_match
 from .scoring import score
 
@@ -41,6 +42,7 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     cfg, task, examples = run.cfg, run.task, run.task.eval
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
+    release_freed_memory(run.device)  # training's freed blocks: its batches would not fit
     texts, lengths, talks, counts, env = [], [], [], [], []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]

@@ -163,6 +163,23 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def release_freed_memory(device: torch.device) -> bool:
+    """glibc only, CPU runs: hands the pages of every freed heap block back to the OS
+    (`malloc_trim(0)`); the blocks stay in the heap, and their pages come back, zeroed, when
+    next written. Called once a step before the policy pass and before each evaluation: the
+    heap keeps its blocks within a pass (keep_freed_memory's speed), but what one phase freed
+    and the next does not fit (a rollout's caches, an optimizer's state, other shapes) no
+    longer counts as resident: on the LM job the step's peak fell and the final evaluation
+    stopped raising the job's (docs/results.md). Returns whether anything was released."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(trim(ctypes.c_size_t(0)))
+
+
 # oneDNN (PyTorch's CPU matmuls) keeps each new shape's primitive, with its scratchpad and
 # reordered weights, up to 1024 of them: a job whose sequence lengths change every step grew
 # by ~0.3 GB a step until it held GBs. 16 of each: the LM job's GRPO peak 6.2 -> 4.9 GB at the

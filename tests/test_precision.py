@@ -128,6 +128,38 @@ def test_cpu_malloc_cache_serves_big_tensors_from_the_heap():
     assert run("on") == ["True", "False"]
 
 
+_TRIM = r"""
+import os, torch
+from mini_grpo.precision import keep_freed_memory, release_freed_memory
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+assert keep_freed_memory()
+x = torch.ones(64 * 2**20)  # 256 MiB, every page written
+y = torch.arange(1000.0)  # above it in the heap: x's block is a hole, not the heap's top
+del x
+kept = rss()
+released = release_freed_memory(torch.device("cpu"))
+print(released, round(kept - rss()), release_freed_memory(torch.device("meta")),
+      float(y.sum()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_freed_heap_blocks_stop_counting_once_released():
+    """cpu_malloc_cache keeps a freed block's pages resident (fast reuse, but what the next
+    phase cannot fit stays in RSS); release_freed_memory hands the pages back, keeps the
+    block, and leaves live tensors alone. Not on a device other than the CPU."""
+    r = subprocess.run([sys.executable, "-c", _TRIM], capture_output=True, text=True,
+                       timeout=120)
+    if "malloc_trim" in r.stderr or "AssertionError" in r.stderr:
+        pytest.skip("not glibc")
+    assert r.returncode == 0, r.stderr
+    released, freed_mb, other_device, total = r.stdout.split()
+    assert released == "True" and int(freed_mb) >= 200, r.stdout  # of the 256 MiB hole
+    assert other_device == "False" and float(total) == 499500.0
+
+
 def test_auto_precision_follows_the_probe_not_the_device_type(monkeypatch):
     """On a CPU with bf16 units, `auto` takes whichever dtype the probe timed faster, for
     training and sampling apart (a Zen4 sampled 1.5x slower in bf16, an AMX Xeon faster)."""
