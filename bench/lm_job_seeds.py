@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
     a = ap.parse_args()
     path = Path(a.json)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"  # the code each run ran
     runs = load(path)
     outs = [Path(f"runs/lm_job_seeds/{a.name}_s{seed}") for seed in a.seeds]
     for out in outs:  # a finished run there would resume and time nothing
@@ -92,7 +95,7 @@ def main() -> int:
     for seed, out in zip(a.seeds, outs):
         r = measure(str(out), a.config, [*a.extra, f"--seed={seed}"])
         runs = [x for x in runs if (x["name"], x["seed"]) != (a.name, seed)]
-        runs.append(row(a.name, seed, r))
+        runs.append({**row(a.name, seed, r), "commit": commit})
         path.write_text(json.dumps({"kind": KIND, "runs": runs}, indent=1) + "\n")
         print(table(runs), flush=True)
     return 0

@@ -45,6 +45,7 @@ from .data import shard
 from .engines import Sampling
 from .fields import ConfigError
 from .outputs import LineFile, check_parent, write_file
+from .precision import release_freed_memory
 from .scoring import score
 from .sft import stage_changes
 
@@ -159,6 +160,7 @@ def generate_rft_data(run: Run, examples, output: str | Path, amp: bool = True,
     # each rank generates its own prompts, as many batches as it has: an engine that needs
     # its group in every generate (tensor-parallel vLLM) hands over to our native sampler
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg)
+    release_freed_memory(device)  # a training stage's blocks, not this sampling's
     output = Path(output)
     claim(run, output, source or {}, replace_stale)
     prompts = list(dict.fromkeys(ex.prompt for ex in examples))  # distinct, in split order

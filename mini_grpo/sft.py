@@ -27,6 +27,7 @@ from .data import batch_indices, sft_batch, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .options import keys_with
+from .precision import release_freed_memory
 from .state import TrainState
 from .trajectory import plan_micro_batches
 
@@ -105,6 +106,7 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
                        tag=tag)
     multi_turn = bool(cfg.tools or cfg.environment)
     model.train()
+    release_freed_memory(run.device)  # the sampling before: its blocks, not this stage's
     t0, tokens = time.perf_counter(), 0
     for step in range(1, steps + 1):
         idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)

@@ -30,7 +30,7 @@ from .data import batch_indices, shard
 from .engines import Sampling
 from .evaluate import evaluate
 from .grpo import LossSettings, grpo_loss
-from .precision import memory_gb
+from .precision import memory_gb, release_freed_memory
 from .scoring import score
 from .state import TrainState
 from .trajectory import Trajectory
@@ -54,6 +54,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
     if run.comm:
         run.comm.pop()  # the collectives of SFT, RFT and the set-up are no step's
     engine, sampling = run.sampler(), Sampling.of(cfg)
+    release_freed_memory(run.device)  # the stages before: their blocks, not this one's
     for step in range(state.current_step + 1, cfg.max_steps + 1):
         faults.step_start(step, dist)
         t_step, times = time.perf_counter(), {}
