@@ -87,6 +87,22 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
               "eval": ev}
 
 
+def check_json(path: Path) -> None:
+    """--json, before the job runs: a new file in a folder that exists, or one of this
+    script's own results (its keys), which the run replaces; anything else is left alone."""
+    if not path.parent.is_dir():
+        raise SystemExit(f"--json {path}: its folder does not exist")
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and {"cpu", "args", "peak_rss_gb", "phase_s"} <= set(data)):
+        raise SystemExit(f"--json {path}: not written by this script; it is left alone "
+                         f"(choose another file)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out_dir", required=True, help="the job's out_dir (new or its own)")
@@ -94,6 +110,8 @@ def main() -> int:
     ap.add_argument("--config", default="smollm2_numeric", help="the job's config")
     ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
     a = ap.parse_args()
+    if a.json:
+        check_json(Path(a.json))
     result = measure(a.out_dir, a.config, a.extra)
     print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=1))
     if a.json:
