@@ -42,9 +42,11 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     cfg, task, examples = run.cfg, run.task, run.task.eval
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
-    release_freed_memory(run.device)  # training's freed blocks: its batches would not fit
     texts, lengths, talks, counts, env = [], [], [], [], []
     for i in range(0, len(examples), batch_size):
+        # before each batch, the pages of what training or the batch before freed go back:
+        # in a heap that training left in pieces, each batch's caches land in new places
+        release_freed_memory(run.device)
         chunk = examples[i:i + batch_size]
         r = engine.generate([ex.model_input for ex in chunk], sampling, gen,
                             run.precision.autocast(generation=True, enabled=amp))

@@ -160,6 +160,44 @@ def test_freed_heap_blocks_stop_counting_once_released():
     assert other_device == "False" and float(total) == 499500.0
 
 
+_STAGES = r"""
+import gc, sys, weakref
+sys.path.insert(0, sys.argv[1])
+from conftest import tiny
+from mini_grpo import job, trainer
+from mini_grpo.state import TrainState
+gc.disable()  # Python's own collections come at no fixed time: only the run's may free it
+states, alive = [], []
+init = TrainState.__init__
+def spy(self, *a, **k):
+    init(self, *a, **k)
+    states.append(weakref.ref(self))
+TrainState.__init__ = spy
+policy_pass = trainer.policy_pass
+def first_pass(*a, **k):
+    if not alive:  # GRPO's first pass: which stages' states (optimizer, gradients) live
+        alive.append([r() is not None for r in states])
+    return policy_pass(*a, **k)
+trainer.policy_pass = first_pass
+job.train(tiny(sys.argv[2], mode="rft_grpo", max_steps=1, rft_sft_steps=1,
+               rft_num_prompts=4, rft_min_reward=-100))
+print(alive[0])
+"""
+
+
+def test_a_finished_stage_is_freed_before_the_next_starts(tmp_path):
+    """The first optimizer a process builds imports torch._dynamo, whose torch.fx keeps its
+    own frame, and with it every frame below: RFT's SFT stage (its AdamW state and
+    gradients, 1.5 GiB on SmolLM2-135M) lived into GRPO until Python's next full collection.
+    In a fresh process (the import happens once), with Python's collections off, GRPO's
+    first pass finds the SFT stage's state freed and its own alive."""
+    r = subprocess.run([sys.executable, "-c", _STAGES, os.path.dirname(__file__),
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    alive = r.stdout.strip().splitlines()[-1]
+    assert alive == "[False, True]", f"alive at GRPO's first pass (SFT, GRPO): {alive}"
+
+
 def test_auto_precision_follows_the_probe_not_the_device_type(monkeypatch):
     """On a CPU with bf16 units, `auto` takes whichever dtype the probe timed faster, for
     training and sampling apart (a Zen4 sampled 1.5x slower in bf16, an AMX Xeon faster)."""

@@ -302,3 +302,25 @@ def test_a_prefix_every_prompt_shares_is_computed_once_with_the_same_result():
     again = generate(m, prompts, 12, EOS, PAD, generator=torch.Generator().manual_seed(1),
                      use_cache=False)
     assert torch.equal(again.completion_ids, r.completion_ids)
+
+
+def test_rows_that_ended_leave_the_cache_in_place():
+    """Dropping rows moves the kept rows' keys and values to the front of the same storage,
+    in order, one layer at a time: a second cache gathered beside the first at every drop
+    grew a 256-row evaluation batch by ~2 GiB on a CPU."""
+    from mini_grpo.models.core import KVCache
+    torch.manual_seed(0)
+    c = KVCache(3, 5, 2, 8, 4, torch.device("cpu"), torch.float32)
+    c.k.normal_()
+    c.v.normal_()
+    c.len = 6
+    k0, v0, storage = c.k.clone(), c.v.clone(), c.k.untyped_storage().data_ptr()
+    keep = torch.tensor([True, False, True, True, False])
+    c.keep(keep)
+    assert c.k.shape == c.v.shape == (3, 3, 2, 8, 4)
+    assert c.k.untyped_storage().data_ptr() == storage  # no new cache
+    torch.testing.assert_close(c.k[..., :6, :], k0[:, keep, :, :6], rtol=0, atol=0)
+    torch.testing.assert_close(c.v[..., :6, :], v0[:, keep, :, :6], rtol=0, atol=0)
+    k, _ = c.update(1, torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 4))  # goes on from there
+    assert k.shape == (3, 2, 7, 4) and bool((k[:, :, 6] == 1).all())
+    torch.testing.assert_close(k[:, :, :6], k0[1, keep, :, :6], rtol=0, atol=0)

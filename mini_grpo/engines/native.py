@@ -201,7 +201,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                 keep = ~done
                 live, tok, done = live[keep], tok[keep], done[keep]
                 if use_cache:
-                    cache.k, cache.v = cache.k[:, keep], cache.v[:, keep]
+                    cache.keep(keep)
             if use_cache:
                 mask = attention_mask(key_valid[live, :P + t + 1], 1)
                 logits = model(tok[:, None], all_pos[live, P + t:P + t + 1], mask, cache)
