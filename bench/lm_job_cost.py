@@ -36,14 +36,15 @@ PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
           ("eval_after", re.compile(r"^\[eval\] step [1-9]\d* sampled"))]
 
 
-def peak_so_far(pid: int) -> float | None:
-    """A live process's peak resident memory so far (VmHWM, GiB); None off Linux."""
+def proc_gib(pid: int, field: str) -> float | None:
+    """A live process's memory figure `field` of /proc/PID/status (VmRSS: resident now,
+    VmHWM: its peak so far) in GiB; None off Linux or once the process has gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            kib = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+            kib = next(int(x.split()[1]) for x in f if x.startswith(f"{field}:"))
     except (OSError, StopIteration, ValueError):
         return None
-    return round(kib / 2**20, 2)
+    return kib / 2**20
 
 
 def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()) -> dict:
@@ -60,7 +61,8 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
         for name, pattern in PHASES:
             if name not in ends and pattern.search(line):
                 ends[name] = round(time.perf_counter() - t0, 1)
-                hwm[name] = peak_so_far(p.pid)
+                peak = proc_gib(p.pid, "VmHWM")
+                hwm[name] = None if peak is None else round(peak, 2)
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:

@@ -20,17 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def rss_gib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        return None
-    return None
+sys.path.insert(0, str(ROOT / "bench"))
+from lm_job_cost import proc_gib  # noqa: E402
 
 
 def main() -> int:
@@ -55,7 +46,7 @@ def main() -> int:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     while p.poll() is None:
-        r = rss_gib(p.pid)
+        r = proc_gib(p.pid, "VmRSS")
         if r is not None:
             samples.append((time.perf_counter() - t0, r))
         time.sleep(0.2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import sys
@@ -143,6 +144,18 @@ def memory_gb(device: torch.device) -> dict[str, float]:
     return out
 
 
+@functools.cache
+def _glibc(name: str):
+    """glibc's function `name`, or None off Linux or off glibc (musl has no mallopt). Looked
+    up once: find_library runs ldconfig, and release_freed_memory is called per batch."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """glibc only: serve every allocation from the heap and never trim it. Returns whether the
     setting took. There is no undo: setting these parameters also ends glibc's dynamic mmap
@@ -154,14 +167,8 @@ def keep_freed_memory() -> bool:
     heap kept vs 8.0 s). PyTorch has no caching allocator for CPU tensors; this makes glibc
     one. GPU runs do not need it (CUDA has its own caching allocator).
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    mallopt = _glibc("mallopt")
+    return bool(mallopt and mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def release_freed_memory(device: torch.device) -> bool:
@@ -177,13 +184,8 @@ def release_freed_memory(device: torch.device) -> bool:
     cpu_malloc_cache, what one phase freed and the next does not fit (the optimizer's state,
     a pass's activations) stayed resident (docs/results.md)."""
     gc.collect()
-    if device.type != "cpu" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(trim(ctypes.c_size_t(0)))
+    trim = _glibc("malloc_trim") if device.type == "cpu" else None
+    return bool(trim and trim(ctypes.c_size_t(0)))
 
 
 # oneDNN (PyTorch's CPU matmuls) keeps each new shape's primitive, with its scratchpad and

@@ -307,7 +307,7 @@ def test_a_prefix_every_prompt_shares_is_computed_once_with_the_same_result():
 def test_rows_that_ended_leave_the_cache_in_place():
     """Dropping rows moves the kept rows' keys and values to the front of the same storage,
     in order, one layer at a time: a second cache gathered beside the first at every drop
-    grew a 256-row evaluation batch by ~2 GiB on a CPU."""
+    took the LM job's evaluations to 4.5 GiB on a CPU, 3.9 in place."""
     from mini_grpo.models.core import KVCache
     torch.manual_seed(0)
     c = KVCache(3, 5, 2, 8, 4, torch.device("cpu"), torch.float32)
