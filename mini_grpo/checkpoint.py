@@ -363,15 +363,33 @@ def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state_all()
     if generator is not None:
         state["generator"] = generator.get_state()
+        state["generator_device"] = generator.device.type
     return state
 
 
-def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = None) -> None:
+def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = None) -> list[str]:
+    """Restores what `rng_state` saved; returns what could not be restored. A generator's
+    state belongs to its device's kind (the CPU's is 5 KB, CUDA's 16 bytes), so a run written
+    on CPU ranks and resumed on a GPU, or the other way round, keeps its generator as seeded;
+    CUDA's states are restored only onto as many GPUs as wrote them."""
+    skipped = []
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            skipped.append(f"CUDA's RNG ({len(state['cuda'])} GPUs wrote it, "
+                           f"{torch.cuda.device_count()} here)")
     if generator is not None and "generator" in state:
-        generator.set_state(state["generator"])
+        saved = state.get("generator_device")
+        if saved is None:  # written before the device was recorded: the state's size tells
+            saved = "cpu" if state["generator"].numel() > 16 else "cuda"
+        if saved == generator.device.type:
+            generator.set_state(state["generator"])
+        else:
+            skipped.append(f"the sampling generator (written on {saved}, resumed on "
+                           f"{generator.device.type})")
+    return skipped
 
 
 def check_shapes(expected: dict[str, torch.Size], state: dict, source: str) -> None:

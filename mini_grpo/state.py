@@ -174,5 +174,8 @@ class TrainState:
         if ckpt.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(ckpt["scaler"])
         rngs = ckpt["rng"]
-        set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)], self.gen)
+        skipped = set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)], self.gen)
         self.current_step = ckpt["step"]
+        if skipped:
+            self.logger.event(self.current_step, "resumed without restoring "
+                              + "; ".join(skipped) + ": those draws start from the seed")

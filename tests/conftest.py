@@ -26,6 +26,16 @@ os.environ.setdefault("MINI_GRPO_PROBE_CACHE",
 # held-out split, rewards scored in the trainer's thread
 TINY = {"mode": "grpo", "num_eval": 8, "use_amp": False, "reward_executor": "serial"}
 
+# Under pytest-xdist (the GPU machine's check runs 14 workers on 16 cores) each worker's runs
+# take its share of the cores: the default splits the cores between one run's ranks, and
+# 14 workers x 16 threads timed tests out there. Subprocess runs read NUM_THREADS.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("NUM_THREADS", str(_SHARE))
+    TINY["num_threads"] = int(os.environ["NUM_THREADS"])
+    torch.set_num_threads(TINY["num_threads"])
+
 
 def tiny(out_dir=None, **overrides):
     """configs/tiny.yaml with TINY and `overrides` on top, environment ignored."""

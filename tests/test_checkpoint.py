@@ -410,3 +410,22 @@ def test_a_sharded_step_saved_again_is_swapped_in_and_a_killed_swaps_leftovers_g
     assert sorted(p.name for p in clean_stale_temps(tmp_path)) == [
         f".step_0000003.dcp.old{dead_pid()}", ".step_0000004.dcp.tmp"]
     assert os.listdir(tmp_path) == ["step_0000003.dcp"]
+
+
+def test_a_generator_state_from_another_device_kind_is_skipped_and_named():
+    # A GPU machine found this: a run written by 2 CPU ranks (gloo) resumed on one GPU, and
+    # the CPU generator's 5 KB state went into CUDA's generator ("RNG state is wrong size").
+    seeded = lambda: torch.Generator().manual_seed(3)
+    written = seeded()
+    torch.rand(4, generator=written)
+    gen = torch.Generator().manual_seed(99)
+    assert C.set_rng_state(C.rng_state(written), gen) == []  # same kind: continues the stream
+    assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=written))
+    cuda_written = {"torch": torch.get_rng_state(), "generator_device": "cuda",
+                    "generator": torch.zeros(16, dtype=torch.uint8)}
+    older = {k: v for k, v in cuda_written.items() if k != "generator_device"}
+    for state in (cuda_written, older):  # older checkpoints: the state's size tells the kind
+        gen = seeded()
+        assert C.set_rng_state(state, gen) == [
+            "the sampling generator (written on cuda, resumed on cpu)"]
+        assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=seeded()))

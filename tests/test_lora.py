@@ -377,6 +377,8 @@ def test_lora_under_fsdp_saves_adapter_shards_that_resume_in_one_process(lm_dirs
                        text=True, env=clean_env(), timeout=300)  # 2 ranks -> 1 process
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming GRPO from step 2" in r.stdout
+    if torch.cuda.is_available():  # the 2 ranks ran on the CPU (more ranks than GPUs)
+        assert "the sampling generator (written on cpu, resumed on cuda)" in r.stdout
     r = subprocess.run([sys.executable, "-m", "mini_grpo", "export", "--checkpoint", str(ckpt),
                         "--output", str(tmp_path / "a2"), "--adapter"], cwd=ROOT,
                        capture_output=True, text=True, env=clean_env(), timeout=300)
