@@ -7,7 +7,10 @@ On a Xeon with AMX bf16 sampling was faster than fp32, on an AMD Zen4 (AVX-512 B
 `rft-generate` only sample), and the figures are kept in a small JSON file keyed by what they
 depend on (CPU model, model spec, threads, torch version, what was timed and on which shapes),
 so the next command does not probe again: the probe was 20 s of a 42 s `mini-grpo sample` on
-the SmolLM2-135M shape.
+the SmolLM2-135M shape. A busy machine must not fool it: the dtypes alternate, each figure is
+the median of three rounds, and when the rounds do not all find the same dtype faster (the
+Xeon's first probe, run beside other work, timed in seconds what takes milliseconds) the log
+says so and the verdict is not cached: the next command times again.
 
     $MINI_GRPO_PROBE_CACHE, else $XDG_CACHE_HOME/mini_grpo/probe.json,
     else ~/.cache/mini_grpo/probe.json
@@ -22,6 +25,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -59,8 +63,9 @@ def cpu_name() -> str:
 
 
 # bumped when the timed code changes enough to turn a verdict (2: bf16 sampling on
-# prepacked weights, models/packed.py), so that figures of the old code are not reused
-CODE_VERSION = 2
+# prepacked weights, models/packed.py; 3: medians of 3 rounds that agree), so that figures of
+# the old code are not reused
+CODE_VERSION = 3
 
 
 def cache_key(model, parts: tuple[str, ...], shape: dict) -> str:
@@ -110,21 +115,37 @@ def probe_dtypes(model, cfg, parts: tuple[str, ...]) -> dict[str, float]:
         [0.0 if hit else 1.0] + [hit[n] if hit else 0.0 for n in names], dtype=torch.float64))
     if agreed[0] == 0:
         return dict(zip(names, agreed[1:].tolist()))
-    mine = measure(model, parts, **shape)
-    if path:
+    rounds = measure(model, parts, **shape)
+    mine = {n: statistics.median(v) for n, v in rounds.items()}
+    unsure = disagreeing(rounds)
+    if path and not unsure:
         entries.pop(key, None)
         write_cache(path, {**entries, key: mine})
-    summed = D.all_reduce_sum(torch.tensor([mine[n] for n in names], dtype=torch.float64))
-    return dict(zip(names, summed.tolist()))
+    # then one flag per part: the ranks whose rounds disagreed
+    summed = D.all_reduce_sum(torch.tensor([mine[n] for n in names] + [
+        float(p in unsure) for p in sorted(parts)], dtype=torch.float64)).tolist()
+    figures = dict(zip(names, summed))
+    figures.update({f"{p}_disagreed": n for p, n in zip(sorted(parts), summed[len(names):])
+                    if n})
+    return figures
+
+
+def disagreeing(rounds: dict[str, list[float]]) -> list[str]:
+    """The parts whose rounds did not all find the same dtype faster: a busy machine, or
+    two dtypes within noise of each other."""
+    parts = sorted({name.rsplit("_", 1)[0] for name in rounds})
+    return [p for p in parts if len({b < f for b, f in zip(rounds[f"{p}_bf16"],
+                                                            rounds[f"{p}_fp32"])}) > 1]
 
 
 def measure(model, parts: tuple[str, ...], block_size: int, sample_rows: int = 64,
-            bf16_attn: str = "manual", reps: int = 2) -> dict[str, float]:
+            bf16_attn: str = "manual", reps: int = 3) -> dict[str, list[float]]:
     """This process's seconds, under fp32 and bf16, of a "train" forward+backward over
     4 x 64 tokens and of 8 cached "sample" steps for `sample_rows` rows (groups of 8 sharing
-    a 32-token prompt, as a GRPO step samples them): median of `reps` after a warm-up round,
-    the dtypes alternating. The bf16 training pass uses the attention `attn_impl: auto` picks
-    under bf16 (manual). Only the parts asked for run: sampling alone does no backward."""
+    a 32-token prompt, as a GRPO step samples them): each of `reps` rounds after a warm-up
+    round, the dtypes alternating within a round. The bf16 training pass uses the attention
+    `attn_impl: auto` picks under bf16 (manual). Only the parts asked for run: sampling alone
+    does no backward."""
     T, P = max(2, min(64, block_size)), max(1, min(32, block_size - 8))
     g = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, init) alone
     x = torch.randint(4, model.cfg.vocab_size, (4, T), generator=g)
@@ -155,4 +176,4 @@ def measure(model, parts: tuple[str, ...], block_size: int, sample_rows: int = 6
     if "train" in parts:
         model.zero_grad(set_to_none=True)
     model.train(was_training)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return times

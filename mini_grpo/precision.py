@@ -82,9 +82,14 @@ class Precision:
     def describe(self) -> str:
         name = lambda d: str(d).replace("torch.", "") if d is not None else "fp32"
         text = f"autocast {name(self.dtype)}, sampling {name(self.generation_dtype)}"
-        if self.probe:
+        seconds = {k: v for k, v in self.probe.items() if not k.endswith("_disagreed")}
+        if seconds:
             text += " (probe: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
-                                             self.probe.items()) + ")"
+                                             seconds.items()) + ")"
+        unsure = [k.removesuffix("_disagreed") for k in self.probe if k.endswith("_disagreed")]
+        if unsure:
+            text += (f"; the probe's rounds disagreed on {' and '.join(unsure)} (a busy machine, "
+                     "or dtypes within noise): not cached, timed again by the next command")
         return text
 
 

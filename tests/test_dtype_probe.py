@@ -24,9 +24,9 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MINI_GRPO_PROBE_CACHE", str(path))
     calls = []
 
-    def measure(model, parts, **shape):
+    def measure(model, parts, **shape):  # three rounds that agree
         calls.append(parts)
-        return {k: v for k, v in FIGURES.items() if k.split("_")[0] in parts}
+        return {k: [v, v * 0.9, v * 1.2] for k, v in FIGURES.items() if k.split("_")[0] in parts}
 
     monkeypatch.setattr(dtype_probe, "measure", measure)
     return path, calls
@@ -88,7 +88,7 @@ def test_a_rank_whose_cache_hits_still_times_when_another_missed(cache, monkeypa
             t[0] += 1
             other_rank["missed"] = False
         else:
-            t += torch.tensor([10.0, 20.0], dtype=t.dtype)
+            t += torch.tensor([10.0, 20.0, 0.0], dtype=t.dtype)  # its rounds agreed
         return t
 
     monkeypatch.setattr(D, "all_reduce_sum", all_reduce_sum)
@@ -132,9 +132,9 @@ def test_sampling_alone_does_no_backward(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "backward", no_backward)
     monkeypatch.setattr(torch.autograd, "backward", no_backward)
-    figures = dtype_probe.measure(model, ("sample",), block_size=64, sample_rows=8, reps=1)
-    assert set(figures) == {"sample_bf16", "sample_fp32"} and all(v > 0 for v in
-                                                                  figures.values())
+    figures = dtype_probe.measure(model, ("sample",), block_size=64, sample_rows=8, reps=2)
+    assert set(figures) == {"sample_bf16", "sample_fp32"} and all(
+        len(v) == 2 and min(v) > 0 for v in figures.values())
     assert model.training and all(p.grad is None for p in model.parameters())
     monkeypatch.undo()
     figures = dtype_probe.measure(model, ("train",), block_size=64, sample_rows=8, reps=1)
@@ -154,3 +154,29 @@ def test_setup_of_a_sampling_command_probes_sampling_once(tmp_path, cache, monke
     with setup(cfg, log=False) as run:  # a training run times training as well
         assert run.precision.dtype == torch.bfloat16
     assert calls == [("sample",), ("train", "sample")]
+
+
+def test_rounds_that_disagree_are_said_and_not_cached(cache, monkeypatch):
+    """A busy machine fooled the first probe on the Xeon: when the rounds do not all find the
+    same dtype faster, the median still decides this run, the log says so, and the next
+    command times again instead of reusing a verdict measured under load."""
+    path, calls = cache
+    model, cfg = tiny_gpt(), load_config("tiny", env={})
+    busy = {"sample_bf16": [1.0, 3.0, 1.1], "sample_fp32": [2.0, 2.0, 2.0]}  # bf16 lost round 2
+    monkeypatch.setattr(dtype_probe, "measure", lambda model, parts, **shape: (
+        calls.append(parts), busy)[1])
+    figures = dtype_probe.probe_dtypes(model, cfg, ("sample",))
+    assert figures == {"sample_bf16": 1.1, "sample_fp32": 2.0, "sample_disagreed": 1.0}
+    assert not path.exists()
+    dtype_probe.probe_dtypes(model, cfg, ("sample",))
+    assert calls == [("sample",)] * 2  # timed again
+    text = precision.Precision(torch.device("cpu"), None, torch.bfloat16, figures).describe()
+    assert text == ("autocast fp32, sampling bfloat16 (probe: sample_bf16 1100.0 ms, "
+                    "sample_fp32 2000.0 ms); the probe's rounds disagreed on sample (a busy "
+                    "machine, or dtypes within noise): not cached, timed again by the next "
+                    "command")
+    busy["sample_bf16"][1] = 1.9  # the rounds agree: cached, and the log says nothing more
+    figures = dtype_probe.probe_dtypes(model, cfg, ("sample",))
+    assert figures == {"sample_bf16": 1.1, "sample_fp32": 2.0} and path.exists()
+    assert "disagreed" not in precision.Precision(torch.device("cpu"), None, None,
+                                                  figures).describe()
