@@ -247,8 +247,8 @@ class GRPOConfig:
     offload_reference: bool = opt(False, "run", env="OFFLOAD_REFERENCE")
     # torch intra-op threads per process; 0 = cores / local ranks
     num_threads: int = opt(0, "run", "0..4096", env="NUM_THREADS")
-    # CPU runs (glibc): keep freed memory for reuse, not hand big tensors back to the OS, whose
-    # page faults slow the policy update (docs/results.md); the process never shrinks
+    # CPU runs (glibc): keep freed blocks below 64 MiB for reuse, not hand them back to the OS,
+    # whose page faults slow the policy update (docs/results.md); trimmed as each phase starts
     cpu_malloc_cache: bool = opt(True, "run", env="CPU_MALLOC_CACHE")
     # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
     guard_patience: int = opt(3, "run", "1..1000")
