@@ -131,8 +131,9 @@ def attention_impl(attn_impl: str, device: torch.device, dtype: torch.dtype | No
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 # blocks from this size up are mapped from the OS and unmapped on free, as glibc does by
-# default from 32 MiB: the heap keeps the rest. Kept in the heap too (the bound was none),
-# the LM job's GRPO held 3.95 GiB after each step against 3.64, at the same step time.
+# default above a threshold that moves between 128 KiB and 32 MiB: the heap keeps the rest.
+# Kept in the heap too (the bound was none), the LM job's GRPO held 3.95 GiB after each step
+# against 3.64, at the same step time.
 KEEP_BELOW = 64 << 20
 
 
