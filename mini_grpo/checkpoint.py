@@ -367,29 +367,63 @@ def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = None) -> list[str]:
+def set_rng_state(state: dict[str, Any], generator: torch.Generator | None = None,
+                  source: str = "checkpoint") -> list[str]:
     """Restores what `rng_state` saved; returns what could not be restored. A generator's
     state belongs to its device's kind (the CPU's is 5 KB, CUDA's 16 bytes), so a run written
     on CPU ranks and resumed on a GPU, or the other way round, keeps its generator as seeded;
-    CUDA's states are restored only onto as many GPUs as wrote them."""
-    skipped = []
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        if len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:
-            skipped.append(f"CUDA's RNG ({len(state['cuda'])} GPUs wrote it, "
-                           f"{torch.cuda.device_count()} here)")
-    if generator is not None and "generator" in state:
-        saved = state.get("generator_device")
-        if saved is None:  # written before the device was recorded: the state's size tells
-            saved = "cpu" if state["generator"].numel() > 16 else "cuda"
-        if saved == generator.device.type:
-            generator.set_state(state["generator"])
-        else:
-            skipped.append(f"the sampling generator (written on {saved}, resumed on "
-                           f"{generator.device.type})")
+    CUDA's states are restored only onto as many GPUs as wrote them. An entry that is not
+    what `rng_state` writes is a CheckpointError naming it."""
+    _check_rng(state, source)
+    skipped, before = [], torch.get_rng_state()
+    try:
+        _restore(source, "torch", torch.set_rng_state, state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            if len(state["cuda"]) == torch.cuda.device_count():
+                _restore(source, "cuda", torch.cuda.set_rng_state_all, state["cuda"])
+            else:
+                skipped.append(f"CUDA's RNG ({len(state['cuda'])} GPUs wrote it, "
+                               f"{torch.cuda.device_count()} here)")
+        if generator is not None and "generator" in state:
+            saved = state.get("generator_device")
+            if saved is None:  # written before the device was recorded: its size tells
+                saved = "cpu" if state["generator"].numel() > 16 else "cuda"
+            if saved == generator.device.type:
+                _restore(source, "generator", generator.set_state, state["generator"])
+            else:
+                skipped.append(f"the sampling generator (written on {saved}, resumed on "
+                               f"{generator.device.type})")
+    except CheckpointError:
+        torch.set_rng_state(before)  # none of it, rather than half
+        raise
     return skipped
+
+
+def _check_rng(state, source: str) -> None:
+    def byte_tensor(v) -> bool:
+        return torch.is_tensor(v) and v.dtype == torch.uint8 and v.dim() == 1
+    bad = None
+    if not isinstance(state, dict) or not byte_tensor(state.get("torch")):
+        bad = "torch"
+    elif "cuda" in state and not (isinstance(state["cuda"], list)
+                                  and all(byte_tensor(v) for v in state["cuda"])):
+        bad = "cuda"
+    elif "generator" in state and not byte_tensor(state["generator"]):
+        bad = "generator"
+    elif state.get("generator_device", "cpu") not in ("cpu", "cuda", "mps", "xpu"):
+        bad = "generator_device"
+    if bad:
+        raise CheckpointError(f"{source}: its RNG state's {bad!r} entry is not what mini-grpo "
+                              f"writes (a 1-d uint8 tensor, or a list of them for 'cuda'; "
+                              f"a device kind for 'generator_device')")
+
+
+def _restore(source: str, name: str, fn, value) -> None:
+    try:
+        fn(value)
+    except RuntimeError as e:  # a state of the wrong size for this torch's generator
+        raise CheckpointError(f"{source}: cannot restore its RNG state's {name!r} entry "
+                              f"({str(e).splitlines()[0][:200]})") from None
 
 
 def check_shapes(expected: dict[str, torch.Size], state: dict, source: str) -> None:

@@ -28,6 +28,7 @@ import torch
 from . import distributed as D
 from . import fsdp
 from .checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_weights,
@@ -173,8 +174,11 @@ class TrainState:
         self.scaler = self.precision.scaler(self.guard.amp)  # follows the verdict
         if ckpt.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(ckpt["scaler"])
-        rngs = ckpt["rng"]
-        skipped = set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)], self.gen)
+        rngs = ckpt.get("rng")
+        if not isinstance(rngs, list) or not rngs:
+            raise CheckpointError(f"{source}: its 'rng' entry is not a list of each rank's "
+                                  f"RNG state")
+        skipped = set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)], self.gen, source)
         self.current_step = ckpt["step"]
         if skipped:
             self.logger.event(self.current_step, "resumed without restoring "

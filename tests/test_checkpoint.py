@@ -429,3 +429,22 @@ def test_a_generator_state_from_another_device_kind_is_skipped_and_named():
         assert C.set_rng_state(state, gen) == [
             "the sampling generator (written on cuda, resumed on cpu)"]
         assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=seeded()))
+
+
+@pytest.mark.parametrize("entry, value", [
+    ("torch", [1, 2, 3]),  # not a tensor
+    ("torch", torch.zeros(8, dtype=torch.uint8)),  # a byte tensor of the wrong size
+    ("torch", torch.zeros(5056)),  # floats
+    ("cuda", torch.zeros(16, dtype=torch.uint8)),  # not a list
+    ("generator", "x"),
+    ("generator", torch.zeros(3, dtype=torch.uint8)),  # the wrong size for a CPU generator
+    ("generator_device", ["cpu"]),
+])
+def test_a_planted_rng_entry_is_a_checkpoint_error_that_names_it(entry, value):
+    state = C.rng_state(torch.Generator().manual_seed(0))
+    state[entry] = value
+    torch.rand(3)  # the process's RNG moves on from what the checkpoint holds
+    before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=rf"step_9\.pt: .*RNG state's '{entry}' entry"):
+        C.set_rng_state(state, torch.Generator(), source="step_9.pt")
+    assert torch.equal(torch.get_rng_state(), before)  # nothing half-restored on a bad entry
