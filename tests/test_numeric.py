@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny
 
 from mini_grpo.fields import ConfigError
-from mini_grpo.rewards.answers import numeric_answer, numeric_format
+from mini_grpo.rewards.answers import numeric_answer, numeric_format, numeric_tags
 from mini_grpo.tasks import build_task
 from mini_grpo.tasks.numeric import KINDS, Args, generate_split
 
@@ -78,6 +78,7 @@ def test_task_through_the_config():
     completions = [ex.target for ex in data.eval[:2]] + ["I do not know", "<answer>0</answer>"]
     cols = data.eval_columns(data.eval[:4], completions)
     assert cols["correct"].tolist()[:3] == [1.0, 1.0, 0.0]
+    assert cols["tagged"].tolist() == [1.0, 1.0, 0.0, 1.0]  # the form, right or wrong
     assert data.eval_bucket(data.eval[0]) in KINDS
     ex = data.eval[0]
     assert data.trivial_answers["first_number"](ex) == \
@@ -105,3 +106,21 @@ def test_numeric_answer_row_tolerance_and_format():
     assert numeric_format([], ["<answer>12</answer>", "<answer>twelve</answer>", "12",
                                "\\boxed{7}", "<answer>12"], [], [{}] * 5) == \
         [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("<answer>12</answer>", 1.0),
+    ("so <answer> 1,200 </answer>.", 1.0),  # spaces, commas, text after the block
+    ("<answer>4.50 kg</answer>", 1.0),  # units are read off as numeric_answer reads them
+    ("<answer>twelve</answer>", 0.0),  # the form holds no number
+    ("#### 12\nThe answer is: 12", 0.0),  # numeric_format's other marks do not count here
+    ("\\boxed{12}", 0.0),
+    ("<answer>12</answer> #### 13", 0.0),  # a `####` anywhere marks the answer instead
+    ("12 x 8 = 96.", 0.0),
+    ("<answer>12", 0.0),  # an unclosed block
+    ("", 0.0),
+])
+def test_numeric_tags_rewards_only_the_asked_form(completion, want):
+    assert numeric_tags([], [completion], ["12"], [{}]) == [want]
+    if want:  # where the tags are right, the looser numeric_format agrees
+        assert numeric_format([], [completion], ["12"], [{}]) == [1.0]

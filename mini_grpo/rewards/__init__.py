@@ -2,7 +2,7 @@
 
 Built-ins: fen_valid, board_accuracy, board_delta (fen.py); exact_match, levenshtein (text.py);
 countdown_format, countdown_correct (countdown.py); math_answer, answer_format, numeric_answer,
-numeric_format (answers.py).
+numeric_format, numeric_tags (answers.py).
 See docs/rewards.md for writing your own.
 """
 

@@ -254,3 +254,32 @@ def numeric_format(prompts, completions, targets, metas):
     """1.0 when the completion marks its final answer (<answer> tags, \\boxed{} or `####`)
     and that answer is a number, else 0.0: the form, not correctness."""
     return [_numeric_format_row(c) for c in completions]
+
+
+def tagged_answer(text: str) -> str | None:
+    """The content of the last complete <answer>...</answer> block when that block is the
+    answer the text marks (no \\boxed{} or `####` anywhere in it overrides it), else None."""
+    text = text[-MAX_CHARS:]
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    inner = text[start + len("<answer>"):end].strip()
+    return inner if marked_answer(text) == inner else None
+
+
+def _numeric_tags_row(completion: str) -> float:
+    try:
+        tagged = tagged_answer(completion)
+        return float(tagged is not None and to_number(_normalise(tagged)) is not None)
+    except Exception:
+        return 0.0
+
+
+@register("numeric_tags")
+def numeric_tags(prompts, completions, targets, metas):
+    """1.0 when the completion gives its final answer in <answer></answer> tags, the form the
+    numeric task asks for, and that answer is a number, else 0.0. Unlike numeric_format,
+    `#### 12` and \\boxed{12} score 0: a model rewarded for any mark learns whichever its
+    pretraining favours (GSM8K's `#### 12\\nThe answer is: 12`, three times as long)."""
+    return [_numeric_tags_row(c) for c in completions]

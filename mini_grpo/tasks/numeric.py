@@ -20,7 +20,8 @@ The held-out questions are drawn first and are distinct; training questions neve
 held-out prompt. Rewards (rewards/answers.py): 0.9 numeric_answer + 0.1 numeric_format: the
 answer in the tags, else the completion's last number, within a relative tolerance of 1e-3;
 the small format share gives a group in which nothing is right yet a gradient towards the
-asked form. Evaluation extras: a `correct` column, results by kind, and two trivial answers
+asked form. Evaluation extras: `correct` and `tagged` (the answer in the asked tags, right or
+wrong) columns, results by kind, and two trivial answers
 (the first number of the question, and 0).
 """
 
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mini_grpo.fields import ConfigError
-from mini_grpo.rewards.answers import numeric_answer
+from mini_grpo.rewards.answers import numeric_answer, numeric_tags
 from mini_grpo.task_registry import MAX_GENERATED, register
 from mini_grpo.tasks.base import Example, TaskData
 
@@ -200,7 +201,9 @@ def generate_split(num_eval: int, args, seed: int,
 def correct_column(examples: list[Example], completions: list[str]) -> dict:
     scores = numeric_answer([], completions, [ex.target for ex in examples],
                             [ex.meta for ex in examples])
-    return {"correct": np.asarray([s or 0.0 for s in scores], dtype=float)}
+    tagged = numeric_tags([], completions, [], [])  # the asked form, right or wrong
+    return {"correct": np.asarray([s or 0.0 for s in scores], dtype=float),
+            "tagged": np.asarray(tagged, dtype=float)}
 
 
 _FIRST_NUMBER = re.compile(r"\d+(?:\.\d+)?")
