@@ -241,10 +241,11 @@ def numeric_answer(prompts, completions, targets, metas):
     return out
 
 
-def _numeric_format_row(completion: str) -> float:
+def _number_in(answer_of, completion: str) -> float:
+    """1.0 when `answer_of(completion)` finds an answer and it reads as a number, else 0.0."""
     try:
-        marked = marked_answer(completion)
-        return float(marked is not None and to_number(_normalise(marked)) is not None)
+        answer = answer_of(completion)
+        return float(answer is not None and to_number(_normalise(answer)) is not None)
     except Exception:
         return 0.0
 
@@ -253,7 +254,7 @@ def _numeric_format_row(completion: str) -> float:
 def numeric_format(prompts, completions, targets, metas):
     """1.0 when the completion marks its final answer (<answer> tags, \\boxed{} or `####`)
     and that answer is a number, else 0.0: the form, not correctness."""
-    return [_numeric_format_row(c) for c in completions]
+    return [_number_in(marked_answer, c) for c in completions]
 
 
 def tagged_answer(text: str) -> str | None:
@@ -268,18 +269,10 @@ def tagged_answer(text: str) -> str | None:
     return inner if marked_answer(text) == inner else None
 
 
-def _numeric_tags_row(completion: str) -> float:
-    try:
-        tagged = tagged_answer(completion)
-        return float(tagged is not None and to_number(_normalise(tagged)) is not None)
-    except Exception:
-        return 0.0
-
-
 @register("numeric_tags")
 def numeric_tags(prompts, completions, targets, metas):
     """1.0 when the completion gives its final answer in <answer></answer> tags, the form the
     numeric task asks for, and that answer is a number, else 0.0. Unlike numeric_format,
     `#### 12` and \\boxed{12} score 0: a model rewarded for any mark learns whichever its
     pretraining favours (GSM8K's `#### 12\\nThe answer is: 12`, three times as long)."""
-    return [_numeric_tags_row(c) for c in completions]
+    return [_number_in(tagged_answer, c) for c in completions]
