@@ -92,18 +92,23 @@ def _last_boxed(text: str) -> str | None:
 
 def marked_answer(text: str) -> str | None:
     """The answer a text marks by \\boxed{}, `####` or <answer> (rules 1-3), else None."""
+    return _marked(text)[1]
+
+
+def _marked(text: str) -> tuple[str | None, str | None]:
+    """(which mark: "boxed", "####" or "tags"; the answer it marks), or (None, None)."""
     text = text[-MAX_CHARS:]
     boxed = _last_boxed(text)
     if boxed is not None:
-        return boxed.strip()
+        return "boxed", boxed.strip()
     i = text.rfind("####")
     if i >= 0:
-        return text[i + 4:].strip().split("\n", 1)[0].strip()
+        return "####", text[i + 4:].strip().split("\n", 1)[0].strip()
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, end) if end >= 0 else -1
     if start >= 0:
-        return text[start + len("<answer>"):end].strip()
-    return None
+        return "tags", text[start + len("<answer>"):end].strip()
+    return None, None
 
 
 def extract_answer(text: str, *, is_target: bool = False) -> str:
@@ -260,13 +265,8 @@ def numeric_format(prompts, completions, targets, metas):
 def tagged_answer(text: str) -> str | None:
     """The content of the last complete <answer>...</answer> block when that block is the
     answer the text marks (no \\boxed{} or `####` anywhere in it overrides it), else None."""
-    text = text[-MAX_CHARS:]
-    end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    if start < 0:
-        return None
-    inner = text[start + len("<answer>"):end].strip()
-    return inner if marked_answer(text) == inner else None
+    mark, answer = _marked(text)
+    return answer if mark == "tags" else None
 
 
 @register("numeric_tags")
