@@ -11,6 +11,7 @@ import signal
 import time
 import traceback
 from collections.abc import Mapping, Set
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -150,9 +151,30 @@ _worker_fns: list = []  # this worker process's plugins, set once by init_worker
 def init_worker(fns: list) -> None:
     # Ctrl-C at a terminal reaches the whole process group; the trainer stops and kills its
     # workers, so a worker ignores it, and a KeyboardInterrupt in one is a plugin's. A no-op
-    # handler, not SIG_IGN, which the plugins' own subprocesses would inherit.
+    # handler, not SIG_IGN, which the plugins' own subprocesses would inherit. SIGINT has been
+    # blocked since the worker was spawned (sigint_blocked): one that came while it imported
+    # the plugins waits until now, and lands in the no-op.
     signal.signal(signal.SIGINT, _no_op)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _worker_fns[:] = fns
+
+
+@contextmanager
+def sigint_blocked():
+    """SIGINT blocked in this thread while it spawns worker processes, which inherit the mask:
+    a Ctrl-C during a worker's start-up (seconds, importing torch and the plugins) then waits
+    for init_worker instead of ending the worker in a KeyboardInterrupt traceback. The trainer
+    loses nothing: the kernel hands its own SIGINT to another thread, or keeps it pending here
+    until the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _no_op(signum, frame) -> None:

@@ -67,6 +67,7 @@ from mini_grpo.plugin_calls import (
     call_async_in_worker,
     call_in_worker,
     init_worker,
+    sigint_blocked,
     worker_ready,
 )
 from mini_grpo.rewards import resolve_reward
@@ -156,7 +157,9 @@ class RewardScorer:
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(
             "spawn"), initializer=init_worker, initargs=(self.fns,))
         # start every worker now, so that start-up time never counts against a plugin's timeout
-        ready = [self._pool.submit(worker_ready) for _ in range(self.workers)]
+        # (submit spawns them, in this thread)
+        with sigint_blocked():
+            ready = [self._pool.submit(worker_ready) for _ in range(self.workers)]
         done, late = wait(ready, timeout=POOL_START_TIMEOUT)
         errors = [f.exception() for f in done if f.exception() is not None]
         if late or errors:
@@ -331,10 +334,10 @@ class RewardScorer:
         """One job on the pool: a sync plugin's call, or the batch's async calls together."""
         args = [(p, lo, *(r[lo:hi] for r in rows)) for p, lo, hi in job]
         if self.executor == "process":  # pickling gives the worker its own copy of the rows
-            if self.is_async[job[0][0]]:
-                return self._pool.submit(call_async_in_worker, args, self.timeout,
-                                         self.concurrency)
-            return self._pool.submit(call_in_worker, *args[0])
+            fn, args = ((call_async_in_worker, (args, self.timeout, self.concurrency))
+                        if self.is_async[job[0][0]] else (call_in_worker, args[0]))
+            with sigint_blocked():  # the submit spawns a worker where one has not started yet
+                return self._pool.submit(fn, *args)
         # the same deep copy a worker process gets, so that a plugin cannot change the dataset
         # or what the next plugin sees (pickle: 6x faster than copy.deepcopy on small dicts)
         args = [(self.fns[p], lo, prompts, completions, targets, pickle.loads(pickle.dumps(m)))

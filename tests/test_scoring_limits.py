@@ -193,6 +193,17 @@ def test_a_real_ctrl_c_still_stops_scoring(executor):
     assert "Traceback" not in out.stderr  # workers ignore the group's SIGINT
 
 
+def test_a_ctrl_c_while_the_workers_start_up_leaves_them_running():
+    # each worker gets its SIGINT while it imports the plugin, before init_worker: blocked
+    # since the spawn, it waits for the no-op handler instead of ending the worker in a
+    # traceback (seen on a slow CPU; here the SIGINT comes in every worker, every time)
+    with RewardScorer([{"name": "ctrl_c_at_import:ones"}], executor="process",
+                      workers=2) as scorer:
+        res = scorer.score(["", ""], ["x", "y"], ["", ""], None)
+        np.testing.assert_array_equal(res.total, [1.0, 1.0])
+        assert res.metrics["reward/ones/failures"] == 0
+
+
 # ---- rewards too large for the statistics fail like NaN, without a numpy warning ----
 
 HUGE = {"max": 1e308, "neg": -1e308, "over": 1.5 * MAX_REWARD, "int": 10**400,
