@@ -205,45 +205,77 @@ def cut(rows: torch.Tensor, loss_mask: torch.Tensor, prompt_mask: torch.Tensor,
     return Cut(rows, width, first)
 
 
-def row_batches(prompt_mask: torch.Tensor, cmask: torch.Tensor, size: int, group: int,
-                budget: int = 0) -> list[torch.Tensor]:
-    """The rows a training or reference pass pushes through the model, as index tensors of
-    micro-batches; each micro-batch computes the prompts of its rows once. `cmask` (B, N):
-    the tokens that carry loss; `prompt_mask` (B, P): the prompts' real tokens.
+# What one more micro-batch costs beside its token positions, in token positions: each pass
+# pays the whole model's fixed costs again (autocast's weight casts, the tied embedding's
+# dense gradient, the gradients' accumulation). On SmolLM2-135M under bf16 autocast on the
+# 2-core Xeon: 462 ms a pass, 4.5 ms a position (bench/policy_plans.py, policy_plans_xeon).
+PASS_COST = 96
+MAX_SPLITS = 16  # thresholds row_batches tries: each an O(rows x size) programme
 
-    Two plans, and the one that pushes fewer token positions wins: whole groups (`group`
-    consecutive rows share a prompt) sorted by their longest completion, size // group groups
-    each, so every prompt is computed once; or rows sorted by completion length, `size`
-    each, which pads less where completions of one prompt differ widely (a random-init
-    policy, reasoning traces) at the price of a prompt computed in more than one
-    micro-batch. `budget` > 0: no micro-batch pushes more token positions than that (but a
-    row alone), which bounds a pass's activation memory whatever the completions' lengths;
-    the whole-groups plan counts only where it keeps it. Rows with no token in `cmask` (left
-    out by dynamic sampling) carry no loss and are skipped, but one is always kept so every
-    rank runs a backward (DDP's all-reduce).
+
+def row_batches(prompt_mask: torch.Tensor, cmask: torch.Tensor, size: int, group: int,
+                budget: int = 0, pass_cost: int = PASS_COST) -> list[torch.Tensor]:
+    """The rows a training or reference pass pushes through the model, as index tensors of
+    micro-batches of at most `size` rows; each micro-batch computes the prompts of its rows
+    once. `cmask` (B, N): the tokens that carry loss; `prompt_mask` (B, P): the prompts'
+    real tokens; `group` consecutive rows share a prompt.
+
+    A micro-batch pushes (its distinct prompts x their longest) + (its rows x their longest
+    completion - 1) token positions, and costs `pass_cost` more. Orders of the rows are cut
+    where that sum over the plan is least (_cuts), and the cheapest plan wins (ties: the
+    first): each group's rows by length, the groups by their longest, with the rows longer
+    than a threshold T moved to the end, by length, for T from the longest completion
+    (whole groups, each prompt computed once) down (the long rows of several groups pushed
+    together, their short ones not padded to them); and rows by length (little padding
+    where completions of one prompt differ widely: a random-init policy, reasoning traces;
+    a prompt then computed in more than one micro-batch). `budget` > 0: no micro-batch
+    pushes more token positions than that (but a row alone), which bounds a pass's
+    activation memory whatever the completions' lengths. Rows with no token in `cmask`
+    (left out by dynamic sampling) carry no loss and are skipped, but one is always kept so
+    every rank runs a backward (DDP's all-reduce).
     """
     n = extent(cmask).tolist()
     p = prompt_mask.sum(1).tolist()
     live = [i for i, k in enumerate(n) if k] or [0]
-    groups: dict[int, list[int]] = {}
-    for i in live:
-        groups.setdefault(i // group, []).append(i)
-    members = list(groups.values())
 
-    def pushed(rows):  # token positions of one micro-batch: each prompt once, padding included
-        return (len({i // group for i in rows}) * max(p[i] for i in rows)
-                + len(rows) * (max(n[i] for i in rows) - 1))
+    def split(t: int) -> list[int]:
+        groups: dict[int, list[int]] = {}
+        for i in sorted(live, key=n.__getitem__):
+            if n[i] <= t:
+                groups.setdefault(i // group, []).append(i)
+        short = sorted(groups.values(), key=lambda rows: (n[rows[-1]], p[rows[0]], rows[0]))
+        return [i for rows in short for i in rows] + sorted(
+            (i for i in live if n[i] > t), key=lambda i: (n[i], i // group))
 
-    def rows_of(gs):
-        return [i for g in gs for i in members[g]]
-
-    by_group = [rows_of(b) for b in plan_micro_batches(
-        [(max(n[i] for i in rows), p[rows[0]]) for rows in members], max(1, size // group),
-        lambda gs: pushed(rows_of(gs)), budget)]
-    by_row = [[live[j] for j in b] for b in plan_micro_batches(
-        [(n[i], i // group) for i in live], size, lambda js: pushed([live[j] for j in js]),
-        budget)]
-    plans = [by_group, by_row] if not budget or all(
-        pushed(b) <= budget for b in by_group) else [by_row]
-    best = min(plans, key=lambda plan: sum(map(pushed, plan)))  # ties: whole groups
+    lengths = sorted({n[i] for i in live}, reverse=True)
+    thresholds = lengths[::max(1, len(lengths) // MAX_SPLITS)]  # at most ~MAX_SPLITS orders
+    orders = [split(t) for t in thresholds] + [sorted(live, key=lambda i: (n[i], i // group))]
+    best = min((_cuts(order, n, p, group, size, budget, pass_cost) for order in orders),
+               key=lambda plan: plan[0])[1]
     return [torch.tensor(b, device=cmask.device) for b in best]
+
+
+def _cuts(order: list[int], n: list[int], p: list[int], group: int, size: int, budget: int,
+          pass_cost: int) -> tuple[int, list[list[int]]]:
+    """(cost, plan): `order` cut into consecutive micro-batches of at most `size` rows and
+    `budget` positions (a row alone may exceed it) whose positions pushed, plus `pass_cost`
+    each, sum to the least (dynamic programming over the cut points: O(rows x size))."""
+    m = len(order)
+    best, start = [0] + [-1] * m, [0] * (m + 1)  # best[j]: least cost of order[:j]
+    for j in range(1, m + 1):
+        prompts, longest_p, longest_n = set(), 0, 0
+        for i in range(j - 1, max(j - size, 0) - 1, -1):  # the last micro-batch: order[i:j]
+            r = order[i]
+            prompts.add(r // group)
+            longest_p, longest_n = max(longest_p, p[r]), max(longest_n, n[r])
+            pushed = len(prompts) * longest_p + (j - i) * (longest_n - 1)
+            if budget and pushed > budget and i < j - 1:
+                break  # it only grows as the micro-batch reaches further back
+            cost = best[i] + pass_cost + pushed
+            if best[j] < 0 or cost < best[j]:
+                best[j], start[j] = cost, i
+    plan, j = [], m
+    while j:
+        plan.append(order[start[j]:j])
+        j = start[j]
+    return best[m], plan[::-1]

@@ -104,3 +104,55 @@ def test_sft_micro_batches_leave_the_loss_and_gradient_as_they_were():
     torch.testing.assert_close(cut, expected, rtol=1e-5, atol=1e-6)
     for a, p in zip(ref, model.parameters()):
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cuts_are_the_cheapest_of_every_way_to_cut_the_order():
+    # every segmentation of a few random orders, against the dynamic programme's
+    from itertools import combinations
+
+    from mini_grpo.trajectory import _cuts
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        m, group = 7, int(torch.randint(1, 4, (1,), generator=gen))
+        n = torch.randint(1, 30, (m,), generator=gen).tolist()
+        p = [int(torch.randint(1, 20, (1,), generator=gen))] * m
+        for i in range(m):
+            p[i] = p[i // group * group]  # a group's rows share their prompt
+        order = torch.randperm(m, generator=gen).tolist()
+        size, budget, pass_cost = 1 + trial % 5, [0, 40, 90][trial % 3], [0, 10, 60][trial % 2]
+
+        def pushed(rows, n=n, p=p, group=group):
+            return len({i // group for i in rows}) * max(p[i] for i in rows) + \
+                len(rows) * (max(n[i] for i in rows) - 1)
+
+        best = None
+        for k in range(m):
+            for at in combinations(range(1, m), k):
+                plan = [order[a:b] for a, b in zip((0, *at), (*at, m))]
+                if any(len(b) > size or (budget and len(b) > 1 and pushed(b) > budget)
+                       for b in plan):
+                    continue
+                cost = sum(pass_cost + pushed(b) for b in plan)
+                best = cost if best is None else min(best, cost)
+        cost, plan = _cuts(order, n, p, group, size, budget, pass_cost)
+        assert [i for b in plan for i in b] == order
+        assert all(len(b) <= size and (not budget or len(b) == 1 or pushed(b) <= budget)
+                   for b in plan)
+        assert cost == sum(pass_cost + pushed(b) for b in plan) == best, (trial, plan)
+
+
+def test_a_job_shaped_step_computes_each_prompt_about_once():
+    # 8 groups of 8 (prompts of 60 tokens), each with one completion at the 80-token cap and
+    # the rest 20-35 tokens, in micro-batches of at most 16 rows and 384 positions (the LM
+    # job's): no whole group fits, yet each group's short rows go together, its long one
+    # beside other groups' long ones
+    lengths = [20 + (3 * i) % 16 if i % 8 else 80 for i in range(64)]
+    r, cmask = rollout(lengths, plen=60)
+    plan = [b.tolist() for b in row_batches(r.prompt_mask, cmask, 16, 8, budget=384)]
+    assert sorted(i for b in plan for i in b) == list(range(64))
+    prompts = sum(len({i // 8 for i in b}) for b in plan)
+    assert len(plan) <= 12 and prompts <= 16, plan
+    for b in plan:
+        assert len(b) <= 16
+        assert len({i // 8 for i in b}) * 60 + len(b) * (max(lengths[i] for i in b) - 1) <= 384
