@@ -238,18 +238,19 @@ def row_batches(prompt_mask: torch.Tensor, cmask: torch.Tensor, size: int, group
     p = prompt_mask.sum(1).tolist()
     live = [i for i, k in enumerate(n) if k] or [0]
 
+    by_row = sorted(live, key=lambda i: (n[i], i // group))
+
     def split(t: int) -> list[int]:
         groups: dict[int, list[int]] = {}
-        for i in sorted(live, key=n.__getitem__):
+        for i in by_row:
             if n[i] <= t:
                 groups.setdefault(i // group, []).append(i)
         short = sorted(groups.values(), key=lambda rows: (n[rows[-1]], p[rows[0]], rows[0]))
-        return [i for rows in short for i in rows] + sorted(
-            (i for i in live if n[i] > t), key=lambda i: (n[i], i // group))
+        return [i for rows in short for i in rows] + [i for i in by_row if n[i] > t]
 
     lengths = sorted({n[i] for i in live}, reverse=True)
     thresholds = lengths[::max(1, len(lengths) // MAX_SPLITS)]  # at most ~MAX_SPLITS orders
-    orders = [split(t) for t in thresholds] + [sorted(live, key=lambda i: (n[i], i // group))]
+    orders = [split(t) for t in thresholds] + [by_row]
     best = min((_cuts(order, n, p, group, size, budget, pass_cost) for order in orders),
                key=lambda plan: plan[0])[1]
     return [torch.tensor(b, device=cmask.device) for b in best]
