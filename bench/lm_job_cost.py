@@ -89,9 +89,11 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
               "eval": ev}
 
 
-def check_json(path: Path) -> None:
+def check_json(path: Path, keys: set[str] = frozenset({"cpu", "args", "peak_rss_gb",
+                                                        "phase_s"})) -> None:
     """--json, before the job runs: a new file in a folder that exists, or one of this
-    script's own results (its keys), which the run replaces; anything else is left alone."""
+    script's own results (its `keys`), which the run replaces; anything else is left alone.
+    bench/policy_plans.py asks it too, with its own keys."""
     if not path.parent.is_dir():
         raise SystemExit(f"--json {path}: its folder does not exist")
     if not path.exists():
@@ -100,7 +102,7 @@ def check_json(path: Path) -> None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = None
-    if not (isinstance(data, dict) and {"cpu", "args", "peak_rss_gb", "phase_s"} <= set(data)):
+    if not (isinstance(data, dict) and keys <= set(data)):
         raise SystemExit(f"--json {path}: not written by this script; it is left alone "
                          f"(choose another file)")
 

@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from lm_job_cost import check_json  # noqa: E402
 
 from mini_grpo.config import load_config  # noqa: E402
 from mini_grpo.engines import Sampling  # noqa: E402
@@ -91,6 +93,8 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="config overrides, --key=value")
     a = ap.parse_args()
     names = a.plans.split(",")
+    if a.json:  # a new file, or one this script wrote: refused before any work
+        check_json(Path(a.json), {"cpu", "results", "fit_ms_per_pass"})
     with tempfile.TemporaryDirectory(prefix="policy_plans_") as work:
         cfg = load_config("smollm2_numeric", dict(
             [("mode", "grpo"), ("num_eval", 8), ("report_to", []), ("out_dir", work),
