@@ -6,11 +6,13 @@ of its own run one after the other (never beside another heavy job):
 
 A variant is NAME:CHECKOUT[:EXTRA_ARGS,...]: distributed_train.py of that checkout (its own
 mini_grpo and configs/smollm2_numeric.yaml) with `--mode=grpo` (no RFT stage, 8 held-out
-questions), checkpoints off. Reports per variant: mem/rss_gb after each step (metrics.jsonl),
-the process's peak RSS (wait4), the median step, generation and policy-pass times without the
-first step, and the wall time. `--stage sft`: RFT's SFT stage instead (`--mode=rft` on 64
-prompts, no SFT before it: the model's own accepted completions, 32 rows a step in 1024-token
-micro-batches, as in the job), reporting the peak RSS, the SFT's tokens/s and the wall time.
+questions), checkpoints off; an extra argument written KEY=VALUE, without the leading `--`, is
+set in that run's environment instead (ONEDNN_PRIMITIVE_CACHE_CAPACITY=128). Reports per
+variant: mem/rss_gb after each step (metrics.jsonl), the process's peak RSS (wait4), the
+median step, generation and policy-pass times without the first step, and the wall time.
+`--stage sft`: RFT's SFT stage instead (`--mode=rft` on 64 prompts, no SFT before it: the
+model's own accepted completions, 32 rows a step in 1024-token micro-batches, as in the job),
+reporting the peak RSS, the SFT's tokens/s and the wall time.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path,
             str(checkout / "configs" / "smollm2_numeric.yaml"), *mode, "--num_eval=8",
             "--save_every=1000000", "--report_to=[]",
             f"--init_from={ROOT / 'models' / 'smollm2-135m-instruct'}", f"--out_dir={out}",
-            *extra]
+            *(x for x in extra if x.startswith("--"))]
+    env = dict(x.split("=", 1) for x in extra if not x.startswith("--"))
     t0 = time.perf_counter()
     p = subprocess.Popen(args, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(checkout)})
+                         env={**os.environ, **env, "PYTHONPATH": str(checkout)})
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:

@@ -208,11 +208,21 @@ def release_freed_memory(device: torch.device) -> bool:
 # by ~0.3 GB a step until it held GBs. 16 of each: the LM job's GRPO peak 6.2 -> 4.9 GB at the
 # same step time (docs/results.md). A value the user set is kept.
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+# LoRA's layers add their adapters' matmuls, each shape in forward and backward: a micro-batch
+# cycles through more primitives than 16, so each of its 30 layers missed the cache and built
+# its primitives again (on the AMX Xeon, where a primitive is a JIT-compiled kernel, the LM
+# job's policy pass took 2x the time). 128 holds a micro-batch's; LoRA frees 1.7 GiB of
+# gradients and AdamW state, so the cache costs it no headroom (docs/results.md)
+ONEDNN_LORA_PRIMITIVES = "128"
 
 
-def bound_onednn_caches() -> None:
-    """Caps oneDNN's primitive cache and ideep's weight cache (read when first used)."""
-    for key, value in ONEDNN_CACHES.items():
+def bound_onednn_caches(lora: bool = False) -> None:
+    """Caps oneDNN's primitive cache and ideep's weight cache (read when first used); a run
+    that trains LoRA adapters keeps ONEDNN_LORA_PRIMITIVES primitives."""
+    caps = dict(ONEDNN_CACHES)
+    if lora:
+        caps["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = ONEDNN_LORA_PRIMITIVES
+    for key, value in caps.items():
         os.environ.setdefault(key, value)
 
 
@@ -226,7 +236,7 @@ def setup_backends(cfg: GRPOConfig, local_world_size: int = 1) -> int:
     torch.backends.cuda.matmul.allow_tf32 = cfg.use_tf32
     torch.backends.cudnn.allow_tf32 = cfg.use_tf32
     if resolve_device(cfg).type == "cpu":
-        bound_onednn_caches()
+        bound_onednn_caches(lora=bool(cfg.lora_r or cfg.adapter))
         if cfg.cpu_malloc_cache:
             keep_freed_memory()
     threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // max(1, local_world_size))

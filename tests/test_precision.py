@@ -253,3 +253,25 @@ def test_a_cpu_run_caps_onednns_caches_unless_the_user_set_them(monkeypatch):
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == ONEDNN_CACHES[
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
     assert os.environ["LRU_CACHE_CAPACITY"] == "64"
+
+
+def test_a_lora_run_keeps_enough_onednn_primitives_for_its_adapters(monkeypatch, tmp_path):
+    """LoRA's adapters add matmul shapes: at 16 primitives each layer of a micro-batch built
+    its own again (2x the policy pass on the AMX Xeon). A LoRA run keeps 128, a full one 16,
+    and a user's own value stands."""
+    from mini_grpo.precision import ONEDNN_LORA_PRIMITIVES, setup_backends
+    threads = torch.get_num_threads()
+    key = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    try:
+        for cfg, want in ((tiny(device="cpu", cpu_malloc_cache=False), "16"),
+                          (tiny(device="cpu", cpu_malloc_cache=False, lora_r=4,
+                                init_from=str(tmp_path)), "128")):
+            monkeypatch.delenv(key, raising=False)
+            setup_backends(cfg)
+            assert os.environ[key] == want
+        assert ONEDNN_LORA_PRIMITIVES == "128"
+        monkeypatch.setenv(key, "512")
+        setup_backends(cfg)
+        assert os.environ[key] == "512"
+    finally:
+        torch.set_num_threads(threads)
