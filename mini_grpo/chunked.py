@@ -31,9 +31,13 @@ def _acc_dtype(dtype):
 class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, h, w, t, temperature, chunk, want_ent):
-        # h (N, C), w (V, C), t (N,); autocast casting was done by the caller, so the matmul
-        # dtype is the inputs' dtype in forward and backward alike
+    def forward(ctx, h, w, t, temperature, chunk, want_ent, mm_dtype):
+        # h (N, C), w (V, C), t (N,); the caller cast h as autocast would; w is cast here to
+        # mm_dtype (None: its own), so backward hands its gradient back in w's own dtype with
+        # no (V, C) cast in between: the matmuls run in mm_dtype, forward and backward alike
+        ctx.w_dtype = w.dtype
+        if mm_dtype is not None and w.dtype != mm_dtype:
+            w = w.to(mm_dtype)
         acc = _acc_dtype(h.dtype)
         N = h.size(0)
         lse = torch.empty(N, dtype=acc, device=h.device)  # (N,) logsumexp, for recomputing
@@ -68,7 +72,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         T, chunk, N = ctx.temperature, ctx.chunk, h.size(0)
         need_h, need_w = ctx.needs_input_grad[:2]
         gh = torch.empty_like(h) if need_h else None
-        gw = torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device) if need_w else None
+        gw = None  # (V, C) in fp32 (or fp64), made by the first chunk's product: no zero-fill
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, N, chunk):
                 e = min(s + chunk, N)
@@ -83,11 +87,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad = grad.to(h.dtype)  # matmuls in the forward's dtype, like F.linear's backward
                 if need_h:
                     gh[s:e] = grad @ w  # (n, C)
-                if need_w and gw.dtype == grad.dtype:  # (V, C), summed over chunks
+                if not need_w:
+                    continue
+                if gw is None:  # (V, C), summed over chunks in fp32
+                    gw = (grad.T @ h[s:e]).to(_acc_dtype(grad.dtype))
+                elif gw.dtype == grad.dtype:
                     gw.addmm_(grad.T, h[s:e])  # in place: no (V, C) temporary per chunk
-                elif need_w:
+                else:
                     gw += grad.T @ h[s:e]  # bf16/fp16 products summed in fp32
-        return gh, None if gw is None else gw.to(w.dtype), None, None, None, None
+        # one cast to the weight's own dtype (none for an fp32 master weight under autocast)
+        return gh, None if gw is None else gw.to(ctx.w_dtype), None, None, None, None, None
 
 
 def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, entropy=False,
@@ -106,12 +115,14 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, 
     V, C = weight.shape
     if chunk_tokens is None:
         chunk_tokens = max(1, ((budget_bytes or LOGITS_BUDGET_BYTES) // 4) // V)
-    # a custom Function sees autocast but is not cast by it: cast as F.linear would
-    dev = hidden.device.type
+    # a custom Function sees autocast but is not cast by it: cast as F.linear would (the
+    # weight inside it, so its gradient comes back in the master dtype without a round trip)
+    dev, mm_dtype = hidden.device.type, None
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
-        hidden, weight = (x if x.dtype == torch.float64 else x.to(dt) for x in (hidden, weight))
+        hidden = hidden if hidden.dtype == torch.float64 else hidden.to(dt)
+        mm_dtype = None if weight.dtype == torch.float64 else dt
     logp, ent = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, C), weight, targets.reshape(-1),
-                                            temperature, chunk_tokens, entropy)
+                                            temperature, chunk_tokens, entropy, mm_dtype)
     logp = logp.view(targets.shape)
     return (logp, ent.view(targets.shape)) if entropy else logp

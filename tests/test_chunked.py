@@ -164,3 +164,39 @@ def test_one_chunk_keeps_its_logits_and_holds_fewer_bytes_than_log_softmax(autoc
         peaks.append(probe.peak / (B * N * V))
     rows = 4 * 4 / (B * N)  # entropy's (4, V) fp32 temporary, per logit
     assert peaks[1] <= 8 + rows + 1e-9 and peaks[0] >= 12, peaks
+
+
+class WeightShapedOps(TorchDispatchMode):
+    """(op name, dtype) of every fresh op output shaped like the LM head's weight (V, C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor) and tuple(o.shape) == (V, C):
+                    self.seen.append((func.__name__, o.dtype))
+        return out
+
+
+@pytest.mark.parametrize("chunk", [4, 1000])  # several chunks, one
+def test_weight_grad_under_autocast_comes_back_in_fp32_without_a_round_trip(chunk):
+    """Under bf16 autocast the (V, C) weight gradient is made in fp32 from the chunks' bf16
+    products: no zero-filled (V, C) buffer, no bf16 copy of the sum cast back to fp32 (each a
+    pass over 113 MB for SmolLM2's tied head, every micro-batch), and the sum of several chunks
+    is not rounded to bf16 on the way."""
+    h, w, t, mask, up = make()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = token_logprobs(h, w, t, chunk_tokens=chunk)
+    with WeightShapedOps() as probe:
+        loss(logp, mask, up).backward()
+    assert w.grad.dtype == torch.float32
+    ops = [name for name, _ in probe.seen]
+    assert not any(n.startswith(("zeros", "zero_", "fill_", "new_zeros")) for n in ops), ops
+    bf16 = [name for name, dt in probe.seen if dt == torch.bfloat16]
+    # the bf16 products only (one a chunk: 6 chunks of 4 of the 21 tokens, or one)
+    assert len(bf16) == -(-B * N // min(chunk, B * N)) and all(n.startswith("mm") for n in bf16)
+    assert len(probe.seen) == len(bf16) + 1, probe.seen  # and the one fp32 sum / cast
