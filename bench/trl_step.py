@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def run_trl(precision: str, warmup: int, steps: int) -> dict:
 
     step_s, logged = timed_trl(MODEL, rows, [fmt, answer], precision, warmup, steps, WORK)
     return summary(step_s, [g["completions/mean_length"] for g in logged], precision=precision,
-                   trl=__import__("trl").__version__)
+                   trl=__import__("trl").__version__,
+                   rss_peak_MiB=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def timed_trl(model, rows: list[dict], reward_funcs: list, precision: str, warmup: int,
@@ -128,7 +130,8 @@ def run_ours(warmup: int, steps: int) -> dict:
         r = json.loads(out.read_text())
     step = r["step"]
     return summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
-                   precision=step["precision"], phase_s=step["phase_s"])
+                   precision=step["precision"], phase_s=step["phase_s"],
+                   rss_peak_MiB=step.get("memory", {}).get("rss_peak_MiB"))
 
 
 def compare(results: dict) -> None:
@@ -140,15 +143,21 @@ def compare(results: dict) -> None:
     results["ratio_step"] = ours["median_step_s"] / results[best]["median_step_s"]
     results["ratio_per_generated_token"] = (ours["median_s_per_generated_token"]
                                             / results[best]["median_s_per_generated_token"])
+    if ours.get("rss_peak_MiB") and results[best].get("rss_peak_MiB"):  # each whole process
+        results["ratio_peak_rss"] = ours["rss_peak_MiB"] / results[best]["rss_peak_MiB"]
     for k in ("mini_grpo", "trl_fp32", "trl_bf16"):
         r = results[k]
         calls = [c for c in r.get("tool_calls") or [] if c is not None]
         print(f"{k:10s} step {r['median_step_s']:6.1f} s  "
               f"({1e3 * r['median_s_per_generated_token']:.2f} ms per generated token, "
               f"mean completion {statistics.mean(r['completion_len']):.1f} tokens"
-              + (f", {statistics.mean(calls):.2f} calls per rollout" if calls else "") + ")")
+              + (f", {statistics.mean(calls):.2f} calls per rollout" if calls else "")
+              + (f", peak RSS {r['rss_peak_MiB'] / 1024:.2f} GiB" if r.get("rss_peak_MiB")
+                 else "") + ")")
     print(f"mini-grpo / TRL ({best}): {results['ratio_step']:.2f}x the time per step, "
-          f"{results['ratio_per_generated_token']:.2f}x per generated token")
+          f"{results['ratio_per_generated_token']:.2f}x per generated token"
+          + (f", {results['ratio_peak_rss']:.2f}x the peak RSS" if "ratio_peak_rss" in results
+             else ""))
 
 
 def main() -> int:

@@ -121,7 +121,7 @@ def run_ours(model: Path, warmup: int, steps: int) -> dict:
     got = summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
                   precision=step["precision"], phase_s=step["phase_s"])
     got["tool_calls"] = step["per_step"].get("tool_calls")
-    got["rss_peak_MiB"] = r.get("memory", {}).get("rss_peak_MiB")
+    got["rss_peak_MiB"] = step.get("memory", {}).get("rss_peak_MiB")
     return got
 
 
