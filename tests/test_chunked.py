@@ -91,6 +91,14 @@ def test_tied_embedding_weight():
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=0)
 
 
+def fresh_tensors(func, out):
+    """The tensors an op made (not views, not written in place), for the dispatch modes below."""
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return []
+    return [o for o in (out if isinstance(out, (tuple, list)) else [out])
+            if isinstance(o, torch.Tensor)]
+
+
 class LargestVocabTensor(TorchDispatchMode):
     """Numel of the largest freshly allocated (not a view, not in place) op output whose last
     dimension is the vocabulary: counts allocations, no timing."""
@@ -101,10 +109,9 @@ class LargestVocabTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for o in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(o, torch.Tensor) and o.dim() and o.shape[-1] == self.vocab:
-                    self.largest = max(self.largest, o.numel())
+        for o in fresh_tensors(func, out):
+            if o.dim() and o.shape[-1] == self.vocab:
+                self.largest = max(self.largest, o.numel())
         return out
 
 
@@ -138,13 +145,12 @@ class LiveVocabBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for o in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(o, torch.Tensor) and o.dim() and o.shape[-1] == self.vocab:
-                    n = o.numel() * o.element_size()
-                    self.live += n
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(o, self._freed, n)
+        for o in fresh_tensors(func, out):
+            if o.dim() and o.shape[-1] == self.vocab:
+                n = o.numel() * o.element_size()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(o, self._freed, n)
         return out
 
 
@@ -175,10 +181,8 @@ class WeightShapedOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for o in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(o, torch.Tensor) and tuple(o.shape) == (V, C):
-                    self.seen.append((func.__name__, o.dtype))
+        self.seen += [(func.__name__, o.dtype) for o in fresh_tensors(func, out)
+                      if tuple(o.shape) == (V, C)]
         return out
 
 
