@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -209,6 +210,54 @@ def test_shared_prompt_pass_equals_full_pass_values_and_gradients(saved, name):
     with torch.no_grad():
         lp_w = completion_logprobs(ours, wide_ids, wide_mask, comp, cmask, prompt_index=index)
     torch.testing.assert_close(lp_w, lp_s, rtol=0, atol=1e-5)
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the ops that run (backward's too), for the test below."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])  # a tied head, an untied one
+def test_a_tied_embedding_adds_its_rows_into_the_heads_gradient(saved, name, monkeypatch):
+    # on a CPU the tied embedding's backward brings sparse rows, which autograd adds into the
+    # head's dense (V, C) gradient, instead of a zero-filled (V, C) buffer of its own a call;
+    # the gradient (over two micro-batches, as a policy pass accumulates it) is the same
+    ours = load_hf_model(saved(name)[1])
+    tied = ours.lm_head.weight is ours.embed_tokens.weight
+    batch = shared_batch()
+    pids, pmask, index, comp, cmask = batch
+    w = torch.randn(cmask.shape, generator=torch.Generator().manual_seed(3))
+
+    def grads():
+        ours.zero_grad(set_to_none=True)
+        with OpNames() as ops:
+            for rows in (slice(0, 2), slice(2, 3)):
+                lp = completion_logprobs(ours, pids, pmask, comp[rows], cmask[rows],
+                                         prompt_index=index[rows])
+                (lp * w[rows]).sum().backward()
+        g = ours.embed_tokens.weight.grad
+        assert g.layout == torch.strided and g.shape == (V, 64)  # dense, for AdamW and DDP
+        return ops.names, {n: p.grad.clone() for n, p in ours.named_parameters()}
+
+    ops, got = grads()
+    assert ("embedding_dense_backward" in ops) != tied
+    assert ("_sparse_coo_tensor_with_dims_and_tensors" in ops) == tied  # the rows
+    with monkeypatch.context() as m:  # the plain lookup everywhere: a dense backward
+        m.setattr(type(ours), "lookup", lambda self, emb, idx: emb(idx))
+        ops, want = grads()
+    assert "embedding_dense_backward" in ops
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+    with torch.no_grad(), OpNames() as ops:  # and nothing sparse without a backward
+        completion_logprobs(ours, pids, pmask, comp, cmask, prompt_index=index)
+    assert not any("sparse" in n for n in ops.names)
 
 
 # 4. greedy generation ----------------------------------------------------------------------

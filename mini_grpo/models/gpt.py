@@ -111,7 +111,7 @@ class GPT(CausalLM):
         return self.ln_f
 
     def embed(self, idx, pos):
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return self.drop(self.lookup(self.wte, idx) + self.wpe(pos))
 
     def cache_heads(self):
         return self.cfg.n_head, self.cfg.n_embd // self.cfg.n_head

@@ -178,7 +178,7 @@ class Llama(CausalLM):
         return self.norm
 
     def embed(self, idx, pos):
-        return self.embed_tokens(idx)
+        return self.lookup(self.embed_tokens, idx)
 
     def rope(self, pos):
         if self._inv_freq is None or self._inv_freq.device != pos.device:
