@@ -130,6 +130,40 @@ def test_cpu_malloc_cache_serves_big_tensors_from_the_heap():
     assert run("on") == ["True", "False", "True"]
 
 
+_HUGE = r"""
+import mini_grpo, torch
+x = torch.ones(16 * 2**20)  # 64 MiB, every page written
+with open("/proc/self/smaps_rollup") as f:
+    huge = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
+print(huge // 1024)
+"""
+
+
+def thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
+def test_importing_mini_grpo_puts_big_cpu_tensors_on_huge_pages():
+    """PyTorch's allocator reads THP_MEM_ALLOC_ENABLE at its first allocation: mini_grpo's
+    import sets it first, and a user's own setting wins."""
+    def huge_mib(value):  # None: the variable unset, as a user starts a run
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        r = subprocess.run([sys.executable, "-c", _HUGE], capture_output=True, text=True,
+                           timeout=120, env=env if value is None else
+                           {**env, "THP_MEM_ALLOC_ENABLE": value})
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout)
+    on = huge_mib(None)
+    assert on >= 60, on  # the 64 MiB tensor on huge pages
+    if thp_mode() == "madvise":  # only asked-for regions get them: the user's 0 is kept
+        assert huge_mib("0") < 60
+
+
 _TRIM = r"""
 import os, torch
 from mini_grpo.precision import keep_freed_memory, release_freed_memory
