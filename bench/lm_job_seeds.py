@@ -36,6 +36,7 @@ def row(name: str, seed: int, r: dict) -> dict:
         return round(ev[stage][mode]["correct"], 4) if stage in ev else None
     return {"name": name, "seed": seed, "cpu": r["cpu"], "args": r["args"],
             "wall_min": r["wall_min"], "peak_rss_gb": r["peak_rss_gb"],
+            "grpo_steps": r["grpo_steps"],  # fewer than max_steps where max_minutes ended it
             "grpo_median_step_s": r["grpo_median_s"]["step"], "phase_s": r["phase_s"],
             "peak_rss_gb_by_phase_end": r.get("peak_rss_gb_by_phase_end"),
             "n": ev["after"]["greedy"]["n"],

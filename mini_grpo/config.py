@@ -154,6 +154,10 @@ class GRPOConfig:
 
     # ---- GRPO ----
     max_steps: int = opt(150, "grpo", "1..10000000", env="MAX_STEPS")  # GRPO steps
+    # the run's wall-clock limit in minutes (0: none): GRPO takes another step only if, at the
+    # pace of its recent steps, the run still ends within it, the final evaluation included
+    # (reserved at twice the evaluation before GRPO); the schedule stays max_steps' (trainer.py)
+    max_minutes: float = opt(0.0, "grpo", "[0, 1e6]", env="MAX_MINUTES")
     # global batch of prompts; each gets group_size completions
     prompts_per_step: int = opt(16, "grpo", "> 0", at_most=MAX_GENERATED)
     # G completions per prompt (at least 2: advantages compare within a group)

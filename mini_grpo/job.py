@@ -34,7 +34,7 @@ from .rft import first_prompts, generate_rft_data
 from .run import Run, setup
 from .sft import finished_stage, sft_dir, train_sft
 from .tasks import load_jsonl
-from .trainer import train_grpo
+from .trainer import TimeLimit, train_grpo
 
 STAGES = {"sft_grpo": ("sft", "grpo"), "sft": ("sft",), "grpo": ("grpo",), "rft": ("sft", "rft"),
           "rft_grpo": ("rft", "grpo")}
@@ -48,6 +48,7 @@ RESUME_FIXED_LORA = keys_with(GRPOConfig, "resume_lora")
 def train(cfg) -> dict:
     """The whole job; returns {"before", "after", "baselines"} evaluations (rank 0)."""
     stages = STAGES[cfg.mode]
+    started = time.monotonic()  # max_minutes counts from here: loading the model included
     with setup(cfg) as run:
         resume, changed = find_resume(run) if "grpo" in stages else (None, [])
         if run.logger:  # a killed run's rows past where this one continues are logged again
@@ -68,27 +69,50 @@ def train(cfg) -> dict:
                     if "before" not in result:
                         result["before"] = eval_both(run, 0, amp)
             amp = run_rft(run, amp)
+        last = None  # GRPO's last step, where max_minutes ends it before max_steps
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
+            eval_s = None
             if resume is not None:  # its evaluations are in eval.json: nothing to sample
                 result = {**result, **saved_evals(run)} if run.dist.is_main else {}
                 run.print0(f"[mini-grpo] resuming GRPO from step {resume['step']}")
             else:
                 with run.rank0_with_weights() as main:
                     if main:
+                        t0 = time.monotonic()
                         result = before_grpo(run, amp, result)
-            amp = train_grpo(run, resume, amp).guard.amp
+                        eval_s = time.monotonic() - t0
+            limit = time_limit(run, started, eval_s) if run.dist.is_main else None
+            state = train_grpo(run, resume, amp, limit)
+            amp, last = state.guard.amp, state.current_step
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
         with run.rank0_with_weights() as main:  # the final evaluation: the final weights
             if main:
-                finish(run, result, stages, weights, amp)
+                finish(run, result, stages, weights, amp, last)
     return result
 
 
-def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool) -> None:
-    """Rank 0, after the last stage: the "after" evaluations, eval.json, the table, export."""
+def time_limit(run: Run, started: float, eval_s: float | None) -> TimeLimit | None:
+    """Rank 0's TimeLimit for cfg.max_minutes (None: no limit). The final evaluation is
+    reserved at twice the one before GRPO: trained answers ran longer than the base model's
+    (LM job, Xeon: 110 s before, 187 s after). A resumed run timed no evaluation here, so
+    its limit covers the steps alone, and says so."""
+    minutes = run.cfg.max_minutes
+    if not minutes:
+        return None
+    if eval_s is None:
+        run.print0(f"[mini-grpo] max_minutes {minutes:g}: no evaluation was timed in this "
+                   f"process (a resumed run), so the final one comes after the limit")
+    return TimeLimit.of(minutes, started, 2.0 * (eval_s or 0.0))
+
+
+def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool,
+           grpo_last: int | None = None) -> None:
+    """Rank 0, after the last stage: the "after" evaluations (logged at the last step:
+    GRPO's, which max_minutes may have ended early), eval.json, the table, export."""
     cfg = run.cfg
-    last = {"grpo": cfg.max_steps, "rft": cfg.rft_sft_steps}.get(stages[-1], cfg.sft_steps)
+    last = {"grpo": grpo_last or cfg.max_steps, "rft": cfg.rft_sft_steps}.get(
+        stages[-1], cfg.sft_steps)
     result["after"] = eval_both(run, last, amp)
     result["baselines"] = trivial_baselines(run.task, run.scorer)
     write_file(Path(cfg.out_dir) / "eval.json", json.dumps(result, indent=2))

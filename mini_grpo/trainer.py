@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,10 +39,12 @@ if TYPE_CHECKING:
     from .run import Run
 
 
-def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainState:
-    """GRPO steps until cfg.max_steps; run.model is trained in place. `resume`: a loaded GRPO
-    checkpoint to continue from (weights, optimizer, guard, step, RNG); `amp`: the autocast
-    verdict of the stage before. Returns the final state (its guard's verdict included)."""
+def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
+               limit: TimeLimit | None = None) -> TrainState:
+    """GRPO steps until cfg.max_steps, or until rank 0's `limit` (cfg.max_minutes) leaves
+    no room for another; run.model is trained in place. `resume`: a loaded GRPO checkpoint
+    to continue from (weights, optimizer, guard, step, RNG); `amp`: the autocast verdict of
+    the stage before. Returns the final state (its guard's verdict, its last step)."""
     cfg, dist, model, task = run.cfg, run.dist, run.model, run.task
     state = TrainState(run, cfg.lr, cfg.max_steps, cfg.warmup_steps, amp=amp,
                        directory=Path(cfg.out_dir) / "checkpoints", keep=cfg.keep_checkpoints,
@@ -101,8 +103,12 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
             t_opt += time.perf_counter() - t1
         times["policy"], times["optimizer"] = time.perf_counter() - t0, t_opt
 
-        # ---- metrics: one collective; rank 0 logs
-        m = step_metrics(traj, res, stats, cfg, times, time.perf_counter() - t_step)
+        # ---- metrics: one collective, which also brings rank 0's verdict on the time limit
+        seconds = time.perf_counter() - t_step
+        late = None if not cfg.max_minutes else \
+            limit is not None and step < cfg.max_steps and not limit.next_fits(seconds)
+        m = step_metrics(traj, res, stats, cfg, times, seconds, late)
+        last = step == cfg.max_steps or bool(m.get("time/limit_reached"))
         m.update(state.metrics(), **comm_times(run.comm))
         if run.logger and step % cfg.log_every == 0:
             run.logger.scalars(step, m)
@@ -111,13 +117,44 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True) -> TrainS
                                        "tok/s": m["tokens_per_s"], "rss_gb": m["mem/rss_gb"]})
 
         # ---- periodic evaluation (rank 0; the others wait at the next collective)
-        if step % cfg.eval_every == 0 and step < cfg.max_steps:
+        if step % cfg.eval_every == 0 and not last:
             evaluate_step(run, step, state.guard.amp)
         # a checkpoint only from a step whose update went through: "restore" must go back
         # to a state from before the trouble, not to one saved during it
-        if (step % cfg.save_every == 0 or step == cfg.max_steps) and state.guard.last_ok:
+        if (step % cfg.save_every == 0 or last) and state.guard.last_ok:
             state.save(step)
+        if last and step < cfg.max_steps:
+            if run.logger:
+                run.logger.event(step, limit.why() if limit is not None else
+                                 "max_minutes: rank 0's time limit ends GRPO here")
+            break
     return state
+
+
+@dataclass
+class TimeLimit:
+    """cfg.max_minutes on rank 0: the run must be over by `end` (time.monotonic()), and
+    `reserve` seconds of it are kept for what follows GRPO (the final evaluation, the
+    export). A step is taken only if one as long as the slowest of the last few still ends
+    in time: answers, and with them steps, grow as GRPO trains."""
+    end: float
+    reserve: float
+    recent: list = field(default_factory=list)  # the last steps' seconds
+
+    @classmethod
+    def of(cls, minutes: float, started: float, reserve: float) -> TimeLimit:
+        return cls(started + 60.0 * minutes, reserve)
+
+    def next_fits(self, seconds: float) -> bool:
+        """After a step of `seconds`: does one more fit?"""
+        self.recent = [*self.recent, seconds][-3:]
+        return time.monotonic() + max(self.recent) + self.reserve <= self.end
+
+    def why(self) -> str:
+        left = self.end - time.monotonic()
+        return (f"max_minutes: GRPO stops here, {left / 60:.1f} min before the limit: another "
+                f"step (~{max(self.recent):.0f} s) and the final evaluation ({self.reserve:.0f} s "
+                f"kept for it) would not fit")
 
 
 def evaluate_step(run: Run, step: int, amp: bool) -> None:
@@ -209,8 +246,10 @@ def comm_times(comm) -> dict[str, float]:
 
 
 def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
-                 seconds: float) -> dict:
-    """The step's metrics over all ranks, from one collective (D.reduce_named)."""
+                 seconds: float, late: bool | None = None) -> dict:
+    """The step's metrics over all ranks, from one collective (D.reduce_named). `late`:
+    whether this rank finds no room for another step (None: no time limit); any rank's
+    verdict ends GRPO on all of them (time/limit_reached)."""
     lengths = traj.completion_mask.sum(1).float()
     sums = {**{f"acc/{f.name}": getattr(stats, f.name) for f in fields(stats)},
             "len": lengths.sum(), "zero": traj.zero_spread.float().sum(),
@@ -224,7 +263,8 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
         col = torch.as_tensor(col, dtype=torch.float64)
         sums[f"{k}/s1"], sums[f"{k}/s2"] = col.sum(), col.square().sum()
     mem = memory_gb(traj.completion_mask.device)  # the most any rank holds
-    red = D.reduce_named(sums, {"len_max": lengths.max(), **mem})
+    late_ = {} if late is None else {"late": float(late)}
+    red = D.reduce_named(sums, {"len_max": lengths.max(), **mem, **late_})
     acc = {f.name: red[f"acc/{f.name}"] for f in fields(stats)}
     iters = cfg.num_iterations
     tok = traj.num_tokens.item() * iters
@@ -252,6 +292,8 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
         m[f"reward/{k}/std"] = max(red[f"{k}/s2"] / n - mean**2, 0.0) ** 0.5
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = seconds
+    if late is not None:
+        m["time/limit_reached"] = red["late"]
     m.update({k: red[k] for k in mem})
     # scorer health (this rank's): seconds and failed rows per plugin
     m.update(res.metrics)

@@ -64,8 +64,8 @@ def events(out_dir) -> list[tuple[int, str]]:
 def clean_env(**extra) -> dict:
     """os.environ without the switches a developer may have set, plus `extra`."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("USE_AMP", "MAX_STEPS", "OUT_DIR", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                        "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("USE_AMP", "MAX_STEPS", "MAX_MINUTES", "OUT_DIR", "RANK", "WORLD_SIZE",
+                        "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra})
     return env
 

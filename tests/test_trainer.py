@@ -1,18 +1,20 @@
 """End-to-end GRPO on the tiny config: parameters move, runs reproduce, resume is exact."""
 
 import json
+import time
 import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import events, tiny_gpt
+from conftest import events, metrics, tiny_gpt
 from conftest import tiny as tiny_config
 
 from mini_grpo.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from mini_grpo.engines.native import generate
 from mini_grpo.job import train
 from mini_grpo.reference import Reference
+from mini_grpo.trainer import TimeLimit
 from mini_grpo.trajectory import MicroBatch
 
 
@@ -102,6 +104,38 @@ def test_a_junk_newest_checkpoint_costs_no_good_one(tmp_path):
     with open(f"{cfg.out_dir}/metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f if "reward/mean" in line]
     assert steps == [1, 2, 3, 4, 5, 6]  # resumed from 4, nothing run twice
+
+
+def test_max_minutes_ends_grpo_early_with_a_checkpoint_and_the_final_evaluation(tmp_path):
+    # a limit long past when GRPO starts: its first step is taken, then no other fits
+    cfg = tiny(tmp_path, "m", max_steps=4, save_every=3, max_minutes=1e-4, device="cpu")
+    train(cfg)
+    assert [p.name for p in list_checkpoints(f"{cfg.out_dir}/checkpoints")] == \
+        ["step_0000001.pt"]
+    rows = metrics(cfg.out_dir)
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [(r["step"], r["time/limit_reached"]) for r in steps] == [(1, 1.0)]
+    assert [s for s, e in events(cfg.out_dir) if e.startswith("max_minutes: GRPO stops")] == [1]
+    after = [r["step"] for r in rows if "eval_greedy/reward" in r]
+    assert after == [0, 1]  # before GRPO, then the final evaluation at the last step taken
+    assert set(json.loads((tmp_path / "m" / "eval.json").read_text())) == \
+        {"before", "after", "baselines"}
+    # without a limit the same run takes every step and logs no verdict
+    full = tiny(tmp_path, "f", max_steps=2, device="cpu")
+    train(full)
+    steps = [r for r in metrics(full.out_dir) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and "time/limit_reached" not in steps[0]
+
+
+def test_a_time_limit_takes_a_step_only_if_the_slowest_recent_one_still_fits():
+    now = time.monotonic()
+    limit = TimeLimit(end=now + 100.0, reserve=10.0)
+    assert limit.next_fits(5.0)  # ~now + 5 + 10 <= now + 100
+    assert not limit.next_fits(95.0)
+    assert not limit.next_fits(1.0)  # the 95 s step is still among the last three
+    assert not limit.next_fits(1.0)
+    assert limit.next_fits(1.0)  # it has dropped out
+    assert "~1 s" in limit.why() and "10 s kept" in limit.why()
 
 
 def test_offloaded_reference_gives_the_same_logprobs():
