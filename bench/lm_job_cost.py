@@ -32,7 +32,8 @@ PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
           ("sft", re.compile(r"^\[sft\] done in")),
           ("rft_generation", re.compile(r"^\[rft\] \d+/\d+ prompts with an accepted")),
           ("rft_sft", re.compile(r"^\[rft\] done in")),
-          ("grpo", re.compile(r"^step (\d+)/\1 ")),
+          # its last step, or the one max_minutes ended it at
+          ("grpo", re.compile(r"^step (\d+)/\1 |^\[mini-grpo\] step \d+: max_minutes: GRPO stops")),
           ("eval_after", re.compile(r"^\[eval\] step [1-9]\d* sampled"))]
 
 
