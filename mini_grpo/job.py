@@ -103,7 +103,7 @@ def time_limit(run: Run, started: float, eval_s: float | None) -> TimeLimit | No
     if eval_s is None:
         run.print0(f"[mini-grpo] max_minutes {minutes:g}: no evaluation was timed in this "
                    f"process (a resumed run), so the final one comes after the limit")
-    return TimeLimit.of(minutes, started, 2.0 * (eval_s or 0.0))
+    return TimeLimit(end=started + 60.0 * minutes, reserve=2.0 * (eval_s or 0.0))
 
 
 def finish(run: Run, result: dict, stages: tuple, weights: dict, amp: bool,

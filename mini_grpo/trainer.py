@@ -123,10 +123,9 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         # to a state from before the trouble, not to one saved during it
         if (step % cfg.save_every == 0 or last) and state.guard.last_ok:
             state.save(step)
-        if last and step < cfg.max_steps:
-            if run.logger:
-                run.logger.event(step, limit.why() if limit is not None else
-                                 "max_minutes: rank 0's time limit ends GRPO here")
+        if last and step < cfg.max_steps:  # rank 0's limit ended it: rank 0 says why
+            if run.logger and limit is not None:
+                run.logger.event(step, limit.why())
             break
     return state
 
@@ -140,10 +139,6 @@ class TimeLimit:
     end: float
     reserve: float
     recent: list = field(default_factory=list)  # the last steps' seconds
-
-    @classmethod
-    def of(cls, minutes: float, started: float, reserve: float) -> TimeLimit:
-        return cls(started + 60.0 * minutes, reserve)
 
     def next_fits(self, seconds: float) -> bool:
         """After a step of `seconds`: does one more fit?"""
