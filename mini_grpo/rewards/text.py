@@ -1,4 +1,5 @@
-"""Task-agnostic rewards: exact_match, levenshtein, and overlong_penalty (DAPO)."""
+"""Task-agnostic rewards: exact_match, levenshtein, overlong_penalty (DAPO) and
+length_penalty."""
 
 from __future__ import annotations
 
@@ -40,4 +41,20 @@ def overlong_penalty(prompts, completions, targets, metas):
             continue
         buffer = max(1, cap // 5)
         out.append(min(0.0, (cap - buffer - n) / buffer))
+    return out
+
+
+@register("length_penalty")
+def length_penalty(prompts, completions, targets, metas):
+    """Minus the completion's share of its cap, from the lengths sampling records
+    (`completion_tokens` / `max_new_tokens`): 0 for no token, -1 at the cap. At a small
+    weight beside a correctness reward it prefers the shorter of otherwise equal answers;
+    with advantages scaled by the group's spread, that preference decides a group whose
+    answers are all right (or all wrong), so it shortens answers fast. Rows without those
+    fields get 0, as in overlong_penalty."""
+    out = []
+    for m in metas:
+        n, cap = m.get("completion_tokens"), m.get("max_new_tokens")
+        ok = isinstance(n, int) and isinstance(cap, int) and cap > 0
+        out.append(-min(n, cap) / cap if ok else 0.0)
     return out
