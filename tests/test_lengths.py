@@ -9,7 +9,7 @@ from mini_grpo.config import load_config
 from mini_grpo.engines.base import Rollout
 from mini_grpo.job import train
 from mini_grpo.models import GPT, GPTConfig
-from mini_grpo.rewards.text import length_penalty, overlong_penalty
+from mini_grpo.rewards.text import overlong_penalty
 from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory
 
@@ -51,12 +51,6 @@ def test_overlong_penalty_is_dapos_soft_punishment():
     metas = [{"completion_tokens": n, "max_new_tokens": 100} for n in (10, 80, 90, 100)]
     metas.append({})  # a trivial baseline's answer: no lengths, no penalty
     assert overlong_penalty([], [""] * 5, [], metas) == [0.0, 0.0, -0.5, -1.0, 0.0]
-
-
-def test_length_penalty_is_minus_the_share_of_the_cap():
-    metas = [{"completion_tokens": n, "max_new_tokens": 40} for n in (0, 10, 30, 40)]
-    metas += [{}, {"completion_tokens": 5, "max_new_tokens": 0}]  # no lengths: no penalty
-    assert length_penalty([], [""] * 6, [], metas) == [0.0, -0.25, -0.75, -1.0, 0.0, 0.0]
 
 
 def test_the_step_logs_the_truncated_fraction(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny
 
 from mini_grpo.fields import ConfigError
-from mini_grpo.rewards.answers import numeric_answer, numeric_format, numeric_tags
+from mini_grpo.rewards.answers import numeric_answer, numeric_concise, numeric_format, numeric_tags
 from mini_grpo.tasks import build_task
 from mini_grpo.tasks.numeric import KINDS, Args, generate_split
 
@@ -124,3 +124,15 @@ def test_numeric_tags_rewards_only_the_asked_form(completion, want):
     assert numeric_tags([], [completion], ["12"], [{}]) == [want]
     if want:  # where the tags are right, the looser numeric_format agrees
         assert numeric_format([], [completion], ["12"], [{}]) == [1.0]
+
+
+def test_numeric_concise_pays_for_unused_tokens_only_where_the_answer_is_right():
+    rows = [("12 x 1 = 12.", 12), ("so it is 12", 36), ("13", 1), ("", 0), ("12", 60)]
+    metas = [{"completion_tokens": n, "max_new_tokens": 48} for _, n in rows]
+    got = numeric_concise([], [c for c, _ in rows], ["12"] * len(rows), metas)
+    # right: 1 - 12/48 and 1 - 36/48; wrong at any length (the empty answer too): 0; a
+    # length past the cap counts as the cap
+    assert got == [0.75, 0.25, 0.0, 0.0, 0.0]
+    # no recorded lengths (a trivial baseline's answer): numeric_answer's score; no number
+    # in the target: not scored
+    assert numeric_concise([], ["12", "12"], ["12", "twelve"], [{}, metas[0]]) == [1.0, None]

@@ -45,6 +45,7 @@ import re
 from fractions import Fraction
 
 from mini_grpo.rewards.registry import register
+from mini_grpo.rewards.text import sampled_lengths
 
 MAX_CHARS = 10_000  # only the tail of a text is read: the final answer is at the end
 MAX_NUMBER_CHARS = 100  # longer "numbers" compare as strings (and never reach int())
@@ -243,6 +244,26 @@ def numeric_answer(prompts, completions, targets, metas):
         tol = m.get("rel_tol", REL_TOL) if isinstance(m, dict) else REL_TOL
         tol = tol if isinstance(tol, float) and 0 <= tol < 1 else REL_TOL
         out.append(_numeric_row(c, t, tol))
+    return out
+
+
+@register("numeric_concise")
+def numeric_concise(prompts, completions, targets, metas):
+    """numeric_answer's score times the share of the cap the completion left unused
+    (1 - completion_tokens / max_new_tokens): a right answer of 12 tokens under a cap of 48
+    scores 0.75, a wrong one 0 at any length. Beside numeric_answer at a small weight it
+    prefers the shorter of right answers and nothing else: a length penalty on every row
+    (wrong ones too) taught the LM job's model to answer with EOS alone within 20 steps,
+    where most groups had no right answer (docs/results.md). Rows without recorded lengths
+    score as numeric_answer."""
+    out = []
+    for right, m in zip(numeric_answer(prompts, completions, targets, metas), metas):
+        lengths = sampled_lengths(m) if isinstance(m, dict) else None
+        if right is None or lengths is None:
+            out.append(right)
+            continue
+        n, cap = lengths
+        out.append(right * (1.0 - min(n, cap) / cap))
     return out
 
 

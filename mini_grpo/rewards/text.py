@@ -1,5 +1,4 @@
-"""Task-agnostic rewards: exact_match, levenshtein, overlong_penalty (DAPO) and
-length_penalty."""
+"""Task-agnostic rewards: exact_match, levenshtein, and overlong_penalty (DAPO)."""
 
 from __future__ import annotations
 
@@ -35,26 +34,18 @@ def overlong_penalty(prompts, completions, targets, metas):
     20k). Rows without those fields (a trivial baseline's answers) get 0."""
     out = []
     for m in metas:
-        n, cap = m.get("completion_tokens"), m.get("max_new_tokens")
-        if not isinstance(n, int) or not isinstance(cap, int) or cap <= 0:
+        if (lengths := sampled_lengths(m)) is None:
             out.append(0.0)
             continue
+        n, cap = lengths
         buffer = max(1, cap // 5)
         out.append(min(0.0, (cap - buffer - n) / buffer))
     return out
 
 
-@register("length_penalty")
-def length_penalty(prompts, completions, targets, metas):
-    """Minus the completion's share of its cap, from the lengths sampling records
-    (`completion_tokens` / `max_new_tokens`): 0 for no token, -1 at the cap. At a small
-    weight beside a correctness reward it prefers the shorter of otherwise equal answers;
-    with advantages scaled by the group's spread, that preference decides a group whose
-    answers are all right (or all wrong), so it shortens answers fast. Rows without those
-    fields get 0, as in overlong_penalty."""
-    out = []
-    for m in metas:
-        n, cap = m.get("completion_tokens"), m.get("max_new_tokens")
-        ok = isinstance(n, int) and isinstance(cap, int) and cap > 0
-        out.append(-min(n, cap) / cap if ok else 0.0)
-    return out
+def sampled_lengths(meta: dict) -> tuple[int, int] | None:
+    """(completion_tokens, max_new_tokens) as sampling recorded them in a row's metadata, or
+    None where it did not (a trivial baseline's answers) or they make no sense."""
+    n, cap = meta.get("completion_tokens"), meta.get("max_new_tokens")
+    ok = isinstance(n, int) and isinstance(cap, int) and 0 <= n and cap > 0
+    return (n, cap) if ok else None
