@@ -85,14 +85,18 @@ class RunLogger:
         self.text(step, "events", message)
         self._append({"step": step, "event": message})
 
-    def progress(self, step: int, metrics: dict[str, float]) -> None:
-        """One console line: step, the given metrics, and an ETA from the mean step time."""
+    def progress(self, step: int, metrics: dict[str, float],
+                 time_left: float | None = None) -> None:
+        """One console line: step, the given metrics, and an ETA from the mean step time, or
+        `time_left` (seconds to a time limit) where that comes first."""
         done = step - self.first_step
         per_step = (time.perf_counter() - self.t0) / max(done, 1)
-        eta = per_step * (self.total_steps - step)
+        eta, why = per_step * (self.total_steps - step), ""
+        if time_left is not None and time_left < eta:
+            eta, why = max(time_left, 0.0), " (max_minutes)"
         parts = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         print(f"{self.prefix}step {step}/{self.total_steps} {parts} | {per_step:.2f}s/step "
-              f"ETA {eta / 60:.1f}m", file=self.console, flush=True)
+              f"ETA {eta / 60:.1f}m{why}", file=self.console, flush=True)
 
     def close(self) -> None:
         self.jsonl.close()

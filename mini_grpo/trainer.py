@@ -114,7 +114,8 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
             run.logger.scalars(step, m)
             run.logger.progress(step, {"reward": m["reward/mean"], "kl": m["kl"],
                                        "len": m["completion_len/mean"],
-                                       "tok/s": m["tokens_per_s"], "rss_gb": m["mem/rss_gb"]})
+                                       "tok/s": m["tokens_per_s"], "rss_gb": m["mem/rss_gb"]},
+                                  limit.left() if limit is not None else None)
 
         # ---- periodic evaluation (rank 0; the others wait at the next collective)
         if step % cfg.eval_every == 0 and not last:
@@ -144,6 +145,10 @@ class TimeLimit:
         """After a step of `seconds`: does one more fit?"""
         self.recent = [*self.recent, seconds][-3:]
         return time.monotonic() + max(self.recent) + self.reserve <= self.end
+
+    def left(self) -> float:
+        """Seconds GRPO has left before what follows it must start."""
+        return self.end - self.reserve - time.monotonic()
 
     def why(self) -> str:
         left = self.end - time.monotonic()

@@ -106,10 +106,13 @@ def test_a_junk_newest_checkpoint_costs_no_good_one(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]  # resumed from 4, nothing run twice
 
 
-def test_max_minutes_ends_grpo_early_with_a_checkpoint_and_the_final_evaluation(tmp_path):
+def test_max_minutes_ends_grpo_early_with_a_checkpoint_and_the_final_evaluation(tmp_path,
+                                                                                capsys):
     # a limit long past when GRPO starts: its first step is taken, then no other fits
     cfg = tiny(tmp_path, "m", max_steps=4, save_every=3, max_minutes=1e-4, device="cpu")
     train(cfg)
+    # the progress line's ETA is the limit's, not that of the 3 steps max_steps has left
+    assert "step 1/4 " in (out := capsys.readouterr().out) and "ETA 0.0m (max_minutes)" in out
     assert [p.name for p in list_checkpoints(f"{cfg.out_dir}/checkpoints")] == \
         ["step_0000001.pt"]
     rows = metrics(cfg.out_dir)
@@ -131,6 +134,7 @@ def test_a_time_limit_takes_a_step_only_if_the_slowest_recent_one_still_fits():
     now = time.monotonic()
     limit = TimeLimit(end=now + 100.0, reserve=10.0)
     assert limit.next_fits(5.0)  # ~now + 5 + 10 <= now + 100
+    assert 89.0 < limit.left() <= 90.0  # what GRPO has left: the limit less the reserve
     assert not limit.next_fits(95.0)
     assert not limit.next_fits(1.0)  # the 95 s step is still among the last three
     assert not limit.next_fits(1.0)
