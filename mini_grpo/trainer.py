@@ -144,7 +144,7 @@ class TimeLimit:
     def next_fits(self, seconds: float) -> bool:
         """After a step of `seconds`: does one more fit?"""
         self.recent = [*self.recent, seconds][-3:]
-        return time.monotonic() + max(self.recent) + self.reserve <= self.end
+        return max(self.recent) <= self.left()
 
     def left(self) -> float:
         """Seconds GRPO has left before what follows it must start."""
