@@ -71,6 +71,25 @@ def test_options():
         generate_split(1000, Args(kinds=["mul"], num_train=10), seed=0)  # 712 exist
 
 
+def test_working_targets():
+    """target: working writes the one operation before the tagged answer; it evaluates to
+    the answer, the rewards read the tag, and the questions are the same as the default's."""
+    train, held = generate_split(200, Args(num_train=800, target="working"), seed=3)
+    plain = generate_split(200, Args(num_train=800), seed=3)
+    assert [ex.prompt for ex in train + held] == [ex.prompt for ex in plain[0] + plain[1]]
+    ops = {"+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__,
+           "/": Fraction.__truediv__}
+    for ex in train + held:
+        answer = ex.meta["answer"]
+        m = re.fullmatch(rf"{NUM} ([-+*/]) {NUM} = (\S+)\. <answer>(\S+)</answer>", ex.target)
+        assert m and m[4] == m[5] == answer, ex.target
+        assert ops[m[2]](Fraction(m[1]), Fraction(m[3])) == Fraction(answer) == solve(ex.prompt)
+        assert numeric_answer([], [ex.target], [ex.target], [{}]) == [1.0]
+    assert {ex.target.split(" ")[1] for ex in train} == set(ops)  # every operation occurs
+    with pytest.raises(ConfigError, match="task_args.target"):
+        Args(target="steps").check()
+
+
 def test_task_through_the_config():
     cfg = tiny(task="numeric", num_eval=32, task_args={"num_train": 200})
     data = build_task(cfg)

@@ -4,7 +4,8 @@ or as a word problem.
 
     prompt  "How many meters are in 3.5 kilometers? Put the final answer in <answer></answer>
              tags."
-    target  "<answer>3500</answer>"                 (the SFT target: the number in tags)
+    target  "<answer>3500</answer>"                 (the SFT target: the number in tags;
+            "3.5 * 1000 = 3500. <answer>3500</answer>" with task_args.target: working)
     meta    {"kind": "convert", "answer": "3500"}
 
 Kinds (`task_args.kinds`, all by default, drawn uniformly):
@@ -49,6 +50,7 @@ DEFAULT_REWARDS = [
     {"name": "numeric_answer", "weight": 0.9},
 ]
 KINDS = ("add", "sub", "mul", "word_add", "word_sub", "word_mul", "word_div", "convert")
+TARGETS = ("answer", "working")
 INSTRUCTION = "Put the final answer in <answer></answer> tags."
 TRIES_PER_QUESTION = 50
 ALPHABET = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))
@@ -76,9 +78,15 @@ class Args:
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
     num_train: int = 20000  # generated training questions (at most 10 million)
     instruction: str = INSTRUCTION  # after each question ("" for none)
+    # the SFT target: "answer" (<answer>85</answer>) or "working" (the one operation that
+    # answers it first: "47 + 38 = 85. <answer>85</answer>")
+    target: str = "answer"
 
     def check(self) -> None:
         check_args(self, KINDS)
+        if self.target not in TARGETS:
+            raise ConfigError(f"task_args.target: one of {', '.join(TARGETS)}, "
+                              f"got {self.target!r}")
 
 
 def check_args(args, kinds: tuple[str, ...]) -> None:
@@ -105,61 +113,66 @@ def plural(unit: str, value: Fraction) -> str:
     return unit if value == 1 else unit + "s"
 
 
-def question(rng: random.Random, kind: str) -> tuple[str, Fraction]:
-    """(question, answer) of one random question of `kind`."""
+def question(rng: random.Random, kind: str) -> tuple[str, str, Fraction]:
+    """(question, the one operation that answers it, answer) of one random question of
+    `kind`."""
     name, items = rng.choice(NAMES), rng.choice(ITEMS)
     if kind == "add":
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        return f"What is {a} + {b}?", Fraction(a + b)
+        return f"What is {a} + {b}?", f"{a} + {b}", Fraction(a + b)
     if kind == "sub":
         a = rng.randint(20, 99)
         b = rng.randint(10, a - 1)
-        return f"What is {a} - {b}?", Fraction(a - b)
+        return f"What is {a} - {b}?", f"{a} - {b}", Fraction(a - b)
     if kind == "mul":
         a, b = rng.randint(2, 9), rng.randint(11, 99)
-        return f"What is {a} * {b}?", Fraction(a * b)
+        return f"What is {a} * {b}?", f"{a} * {b}", Fraction(a * b)
     if kind == "word_add":
         a, b = rng.randint(5, 60), rng.randint(5, 40)
         return (f"{name} has {a} {items}. {name} gets {b} more. How many {items} does "
-                f"{name} have now?"), Fraction(a + b)
+                f"{name} have now?"), f"{a} + {b}", Fraction(a + b)
     if kind == "word_sub":
         a = rng.randint(15, 90)
         b = rng.randint(2, a - 3)
         return (f"{name} has {a} {items} and gives away {b} of them. How many {items} does "
-                f"{name} have left?"), Fraction(a - b)
+                f"{name} have left?"), f"{a} - {b}", Fraction(a - b)
     if kind == "word_mul":
         a, b, box = rng.randint(2, 12), rng.randint(2, 12), rng.choice(sorted(BOXES))
         return (f"Each {box} holds {a} {items}. How many {items} are in {b} {BOXES[box]}?",
-                Fraction(a * b))
+                f"{b} * {a}", Fraction(a * b))
     if kind == "word_div":
         each, n = rng.randint(2, 12), rng.randint(2, 9)
         return (f"{name} shares {each * n} {items} equally among {n} friends. How many "
-                f"{items} does each friend get?"), Fraction(each)
+                f"{items} does each friend get?"), f"{each * n} / {n}", Fraction(each)
     return conversion(rng)
 
 
-def conversion(rng: random.Random) -> tuple[str, Fraction]:
+def conversion(rng: random.Random) -> tuple[str, str, Fraction]:
     big = rng.choice(sorted(UNITS))
     small, factor = rng.choice(sorted(UNITS[big].items()))
     value = Fraction(rng.randint(2, 20)) if rng.random() < 0.7 else \
         Fraction(rng.randint(11, 99), 10)  # 2..20, or one decimal: 1.1..9.9
     if big.endswith(METRIC) and small.endswith(METRIC) and rng.random() < 0.4:
         many = value * factor  # back: a whole number of the small unit to the big one
-        return (f"Convert {show(many)} {plural(small, many)} to {big}s.", many / factor)
+        return (f"Convert {show(many)} {plural(small, many)} to {big}s.",
+                f"{show(many)} / {factor}", many / factor)
     if rng.random() < 0.5:
         return (f"How many {small}s are in {show(value)} {plural(big, value)}?",
-                value * factor)
-    return f"Convert {show(value)} {plural(big, value)} to {small}s.", value * factor
+                f"{show(value)} * {factor}", value * factor)
+    return (f"Convert {show(value)} {plural(big, value)} to {small}s.",
+            f"{show(value)} * {factor}", value * factor)
 
 
-def make_example(q: str, answer: Fraction, kind: str, instruction: str) -> Example:
+def make_example(q: str, working: str, answer: Fraction, kind: str, args: Args) -> Example:
     text = show(answer)
-    return Example(f"{q} {instruction}".strip(), f"<answer>{text}</answer>",
-                   {"kind": kind, "answer": text})
+    target = f"<answer>{text}</answer>"
+    if args.target == "working":
+        target = f"{working} = {text}. {target}"
+    return Example(f"{q} {args.instruction}".strip(), target, {"kind": kind, "answer": text})
 
 
 def numeric_example(rng: random.Random, kind: str, args: Args) -> Example:
-    return make_example(*question(rng, kind), kind, args.instruction)
+    return make_example(*question(rng, kind), kind, args)
 
 
 def generate(rng: random.Random, count: int, args, exclude: set, distinct: bool,
