@@ -86,8 +86,8 @@ def test_working_targets():
         assert ops[m[2]](Fraction(m[1]), Fraction(m[3])) == Fraction(answer) == solve(ex.prompt)
         assert numeric_answer([], [ex.target], [ex.target], [{}]) == [1.0]
     assert {ex.target.split(" ")[1] for ex in train} == set(ops)  # every operation occurs
-    with pytest.raises(ConfigError, match="task_args.target"):
-        Args(target="steps").check()
+    with pytest.raises(ConfigError, match="task_args.target: must be one of answer, working"):
+        build_task(tiny(task="numeric", task_args={"target": "steps"}))
 
 
 def test_task_through_the_config():

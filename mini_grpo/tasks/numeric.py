@@ -33,7 +33,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -50,7 +50,6 @@ DEFAULT_REWARDS = [
     {"name": "numeric_answer", "weight": 0.9},
 ]
 KINDS = ("add", "sub", "mul", "word_add", "word_sub", "word_mul", "word_div", "convert")
-TARGETS = ("answer", "working")
 INSTRUCTION = "Put the final answer in <answer></answer> tags."
 TRIES_PER_QUESTION = 50
 ALPHABET = "".join(sorted(set(string.printable) - set("\t\r\x0b\x0c")))
@@ -80,13 +79,10 @@ class Args:
     instruction: str = INSTRUCTION  # after each question ("" for none)
     # the SFT target: "answer" (<answer>85</answer>) or "working" (the one operation that
     # answers it first: "47 + 38 = 85. <answer>85</answer>")
-    target: str = "answer"
+    target: Literal["answer", "working"] = "answer"
 
     def check(self) -> None:
         check_args(self, KINDS)
-        if self.target not in TARGETS:
-            raise ConfigError(f"task_args.target: one of {', '.join(TARGETS)}, "
-                              f"got {self.target!r}")
 
 
 def check_args(args, kinds: tuple[str, ...]) -> None:
