@@ -73,7 +73,8 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
     steps = [r for r in rows if "reward/mean" in r]
 
     def median(key):  # GRPO steps, the first left out (its shapes are new to oneDNN)
-        return round(statistics.median(r[key] for r in steps[1:] or steps), 2)
+        return round(statistics.median(r[key] for r in steps[1:] or steps), 2) if steps \
+            else None  # mode sft: no GRPO step
 
     phases, start = {}, 0.0
     for name in sorted(ends, key=ends.get):  # in the order they ran (sft_grpo: SFT first)

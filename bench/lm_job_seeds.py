@@ -43,6 +43,9 @@ def row(name: str, seed: int, r: dict) -> dict:
             "greedy_before": acc("before", "greedy"), "greedy_after": acc("after", "greedy"),
             "sampled_before": acc("before", "sampled"),
             "sampled_after": acc("after", "sampled"),
+            # between them, where the job evaluates after its SFT or RFT stage too
+            **{f"{mode}_{stage}": acc(stage, mode) for stage in ("sft", "rft") if stage in ev
+               for mode in ("greedy", "sampled")},
             "length_after": round(ev["after"]["greedy"]["length"], 1)}
 
 

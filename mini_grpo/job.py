@@ -59,15 +59,13 @@ def train(cfg) -> dict:
         if run.dist.is_main:
             cfg.save(Path(cfg.out_dir) / "config.yaml")
         amp = True  # autocast trusted; a stage whose guard cuts it hands fp32 on (state.py)
+        result = {}
+        if stages[0] == "sft" and cfg.init_from and "rft" not in stages:
+            result = first_eval(run, resume, amp)  # the model SFT starts from: the table's base
         if "sft" in stages:
             amp = train_sft(run, amp=amp)
-        result = {}
         if "rft" in stages:  # what SFT (or init_from) left: the evaluation's and RFT's
-            with run.rank0_with_weights() as main:
-                if main:
-                    result = saved_evals(run) if resume is not None else {}
-                    if "before" not in result:
-                        result["before"] = eval_both(run, 0, amp)
+            result = first_eval(run, resume, amp)
             amp = run_rft(run, amp)
         last = None  # GRPO's last step, where max_minutes ends it before max_steps
         if "grpo" in stages:
@@ -210,10 +208,26 @@ def check_resume(run: Run, state: dict, path: str) -> list[str]:
             if k not in ("resume", "out_dir") and saved.get(k) != v]
 
 
+def first_eval(run: Run, resume: dict | None, amp: bool) -> dict:
+    """The job's "before" evaluation, taken ahead of the stage that starts from init_from's
+    model (SFT of a pretrained model, or RFT): a resumed GRPO run keeps eval.json's instead.
+    Rank 0 evaluates; every rank returns (other ranks an empty dict)."""
+    result = {}
+    with run.rank0_with_weights() as main:
+        if main:
+            result = saved_evals(run) if resume is not None else {}
+            if "before" not in result:
+                result["before"] = eval_both(run, 0, amp)
+                write_file(Path(run.cfg.out_dir) / "eval.json", json.dumps(result, indent=2))
+    return result
+
+
 def before_grpo(run: Run, amp: bool, result: dict) -> dict:
-    """The evaluation a fresh GRPO stage starts from ("before"; "rft" after an RFT stage,
-    `result` holding the one before it), written to eval.json at once. Rank 0."""
-    name = "rft" if "before" in result else "before"
+    """The evaluation a fresh GRPO stage starts from ("before"; named after the stage before
+    GRPO, "sft" or "rft", when `result` holds an evaluation before that stage), written to
+    eval.json at once. Rank 0."""
+    stages = STAGES[run.cfg.mode]
+    name = stages[stages.index("grpo") - 1] if "before" in result else "before"
     result = {**result, name: eval_both(run, 0, amp)}
     write_file(Path(run.cfg.out_dir) / "eval.json", json.dumps(result, indent=2))
     return result
@@ -223,7 +237,7 @@ def saved_evals(run: Run) -> dict:
     """The evaluations before GRPO that eval.json holds (a resumed run keeps them)."""
     out = Path(run.cfg.out_dir) / "eval.json"
     saved = json.loads(out.read_text()) if out.is_file() else {}
-    return {k: v for k, v in saved.items() if k in ("before", "rft")}
+    return {k: v for k, v in saved.items() if k in ("before", "sft", "rft")}
 
 
 def run_rft(run: Run, amp: bool) -> bool:

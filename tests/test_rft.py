@@ -183,6 +183,30 @@ def test_rft_grpo_mode_evaluates_before_after_rft_and_after_grpo_and_resumes(tmp
     assert again["before"] == result["before"] and again["rft"] == result["rft"]
 
 
+def test_sft_of_a_trained_model_evaluates_it_first_and_resumes_keeping_it(
+        sft_checkpoint, tmp_path, capsys):
+    """SFT from init_from's model: the job evaluates that model first ("before"), then what
+    SFT made of it ("sft", before GRPO), then the end ("after"); a resumed GRPO run keeps the
+    first two without evaluating again. Mode sft alone: before and after."""
+    opts = {"out_dir": str(tmp_path / "run"), "mode": "sft_grpo", "init_from":
+            str(sft_checkpoint), "sft_steps": "3", "sft_lr": "3e-3", "max_steps": "2",
+            "save_every": "2", **OPTS}
+    result = train(load_config("tiny", opts, env={}))
+    assert set(result) == {"before", "sft", "after", "baselines"}
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert saved["before"] == result["before"] and saved["sft"] == result["sft"]
+    assert result["sft"]["greedy"] != result["before"]["greedy"]  # SFT moved the model
+    capsys.readouterr()
+    again = train(load_config("tiny", {**opts, "max_steps": "3"}, env={}))
+    out = capsys.readouterr().out
+    assert "resuming GRPO from step 2" in out and "[eval] step 0" not in out
+    assert again["before"] == result["before"] and again["sft"] == result["sft"]
+    alone = train(load_config("tiny", {**opts, "mode": "sft", "out_dir": str(tmp_path / "sft")},
+                              env={}))
+    assert set(alone) == {"before", "after", "baselines"}
+    assert alone["before"] == result["before"]  # the same model, the same seed
+
+
 def test_an_output_not_written_here_is_refused_untouched(sft_checkpoint, tmp_path):
     """A user's file at --output (notes, a data file with no trailing newline, chat rows,
     not JSON at all), or rows of other settings, is refused before anything is read, cut or
