@@ -1,7 +1,7 @@
-"""The LM job's table: base / RFT / GRPO / RFT+GRPO on the numeric task's held-out questions,
-from the eval.json of two runs of configs/smollm2_numeric on the same machine:
+"""The LM job's table on the numeric task's held-out questions, from the eval.json of runs of
+configs/smollm2_numeric on the same machine:
 
-    python distributed_train.py --config smollm2_numeric                       # rft_grpo
+    python distributed_train.py --config smollm2_numeric                       # the job
     python distributed_train.py --config smollm2_numeric --mode=grpo \\
         --out_dir=runs/smollm2_numeric_grpo                                     # GRPO alone
     python distributed_train.py --config smollm2_numeric --mode=grpo --lora_r=16 --lr=5e-4 \\
@@ -10,10 +10,11 @@ from the eval.json of two runs of configs/smollm2_numeric on the same machine:
         --lora runs/smollm2_numeric_grpo_lora runs/smollm2_numeric_grpo_lora_5e-4 \\
         --out bench/lm_job_<cpu>.json
 
-Rows: the base model (the rft_grpo run's "before"), after RFT ("rft"), after GRPO alone (the
-grpo run's "after") and after RFT then GRPO ("after"); columns: greedy and sampled accuracy
-(`correct`) with standard errors, and the gain over the base in points and in standard errors
-of the difference. `--minutes`: the runs' wall times as measured (`time`), recorded beside."""
+Rows: the base model (the job's "before"), after the job's SFT or RFT stage where GRPO
+followed it ("sft", "rft"), after the whole job ("after", named by its mode), then the other
+runs' "after" (GRPO alone, with LoRA); columns: greedy and sampled accuracy (`correct`) with
+standard errors, and the gain over the base in points and in standard errors of the
+difference. `--minutes`: the runs' wall times as measured (`time`), recorded beside."""
 
 from __future__ import annotations
 
@@ -38,17 +39,28 @@ def lr_of(run: str) -> float:
     return float(yaml.safe_load((Path(run) / "config.yaml").read_text())["lr"])
 
 
-def step_median(run: str) -> float:
+MODES = {"rft_grpo": "RFT+GRPO", "sft_grpo": "SFT+GRPO", "grpo": "GRPO", "sft": "SFT",
+         "rft": "RFT"}
+
+
+def mode_of(run: str) -> str:
+    """The mode a run's resolved config.yaml holds."""
+    import yaml
+
+    return yaml.safe_load((Path(run) / "config.yaml").read_text())["mode"]
+
+
+def step_median(run: str) -> float | None:
     """The median of a run's GRPO step times (metrics.jsonl): robust to a few steps slowed by
-    other work on the machine."""
+    other work on the machine; None for a run without GRPO steps."""
     with open(Path(run) / "metrics.jsonl") as f:
         steps = [json.loads(line)["time/step"] for line in f if '"time/step"' in line]
-    return statistics.median(steps)
+    return statistics.median(steps) if steps else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("rft_grpo", help="run directory of mode rft_grpo")
+    ap.add_argument("job", help="run directory of the job (any mode)")
     ap.add_argument("grpo", nargs="?", help="run directory of mode grpo (optional)")
     ap.add_argument("--lora", nargs="*", default=[],
                     help="run directories of mode grpo with lora_r set (optional)")
@@ -56,14 +68,15 @@ def main() -> None:
                     help="wall minutes of the runs, in the same order")
     ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args()
-    a = json.loads((Path(args.rft_grpo) / "eval.json").read_text())
-    rows = {"base": a["before"], "RFT": a.get("rft")}
+    a = json.loads((Path(args.job) / "eval.json").read_text())
+    mode = mode_of(args.job)
+    rows = {"base": a["before"], "SFT": a.get("sft"), "RFT": a.get("rft")}
     if args.grpo:
         rows["GRPO"] = json.loads((Path(args.grpo) / "eval.json").read_text())["after"]
     for run in args.lora:
         rows[f"GRPO, LoRA lr {lr_of(run):g}"] = \
             json.loads((Path(run) / "eval.json").read_text())["after"]
-    rows["RFT+GRPO"] = a["after"]
+    rows[MODES[mode]] = a["after"]
     base = {m: accuracy(rows["base"][m]) for m in ("greedy", "sampled")}
     table = {}
     print("| model | greedy accuracy | gain | sampled accuracy | gain |")
@@ -83,12 +96,13 @@ def main() -> None:
         table[name] = entry
         print(f"| {name} | " + " | ".join(cells) + " |")
     result = {"cpu": cpu_name(), "config": "smollm2_numeric", "rows": table,
-              "minutes": dict(zip(["rft_grpo", "grpo"], args.minutes)),
+              "mode": mode, "minutes": dict(zip([mode, "grpo"], args.minutes)),
               "grpo_step_s_median": {name: step_median(d) for name, d in (
-                  ("rft_grpo", args.rft_grpo), ("grpo", args.grpo),
+                  (mode, args.job), ("grpo", args.grpo),
                   *((f"grpo_lora_lr_{lr_of(d):g}", d) for d in args.lora)) if d}}
-    print("median GRPO step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
-                                               result["grpo_step_s_median"].items()))
+    steps = {k: v for k, v in result["grpo_step_s_median"].items() if v is not None}
+    if steps:
+        print("median GRPO step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
