@@ -25,7 +25,7 @@ $(VLLM_STAMP): $(STAMP) scripts/setup_vllm.sh
 model: setup
 	bash scripts/get_model.sh $(VENV)
 
-# the LM job: SmolLM2-135M-Instruct, RFT then GRPO on numeric questions (configs/smollm2_numeric)
+# the LM job: SmolLM2-135M-Instruct, SFT then GRPO on numeric questions (configs/smollm2_numeric)
 lm-job: model
 	$(PY) distributed_train.py --config smollm2_numeric
 

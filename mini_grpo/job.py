@@ -2,7 +2,7 @@
 
     python distributed_train.py --config default               # sft_grpo (the main job)
     python distributed_train.py --config default --mode=rft    # SFT -> RFT data -> SFT -> eval
-    python distributed_train.py --config smollm2_numeric       # rft_grpo: RFT -> GRPO -> eval
+    python distributed_train.py --config smollm2_numeric       # eval, SFT, eval, GRPO, eval
 
 `train(cfg)` builds the run once (run.setup), decides where to resume from (comparing the
 checkpoint's config with this one: what cannot work is refused, what changed is logged), runs
