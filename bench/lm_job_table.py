@@ -32,22 +32,19 @@ def accuracy(ev: dict) -> tuple[float, float]:
     return p, math.sqrt(max(p * (1 - p), 0.0) / n)
 
 
-def lr_of(run: str) -> float:
-    """The learning rate a run's resolved config.yaml holds."""
+def run_config(run: str) -> dict:
+    """A run's resolved config.yaml."""
     import yaml
 
-    return float(yaml.safe_load((Path(run) / "config.yaml").read_text())["lr"])
+    return yaml.safe_load((Path(run) / "config.yaml").read_text())
+
+
+def lr_of(run: str) -> float:
+    return float(run_config(run)["lr"])
 
 
 MODES = {"rft_grpo": "RFT+GRPO", "sft_grpo": "SFT+GRPO", "grpo": "GRPO", "sft": "SFT",
          "rft": "RFT"}
-
-
-def mode_of(run: str) -> str:
-    """The mode a run's resolved config.yaml holds."""
-    import yaml
-
-    return yaml.safe_load((Path(run) / "config.yaml").read_text())["mode"]
 
 
 def step_median(run: str) -> float | None:
@@ -69,7 +66,7 @@ def main() -> None:
     ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args()
     a = json.loads((Path(args.job) / "eval.json").read_text())
-    mode = mode_of(args.job)
+    mode = run_config(args.job)["mode"]
     rows = {"base": a["before"], "SFT": a.get("sft"), "RFT": a.get("rft")}
     if args.grpo:
         rows["GRPO"] = json.loads((Path(args.grpo) / "eval.json").read_text())["after"]
