@@ -1,25 +1,29 @@
 """The LM job's GRPO step against TRL's GRPOTrainer doing the same work, side by side.
 
-    python bench/trl_step.py [--warmup 1] [--steps 4] [--out bench/trl_step_<cpu>.json]
+    python bench/trl_step.py [--model DIR] [--warmup 1] [--steps 4] [--out FILE.json]
 
 Needs `make model` (models/smollm2-135m-instruct: SmolLM2-135M-Instruct, real weights) and
 `pip install trl==1.16.*` (not a dependency of mini-grpo; it brings datasets and pandas).
 
-The work, the LM job's (configs/smollm2_numeric.yaml, mode grpo): 8 numeric-task training
-prompts through the model's chat template, 8 completions each (64 rows) of at most 80 new
-tokens sampled at temperature 0.7, rewards numeric_format (0.1) + numeric_answer (0.9), then
-one policy pass over the 64 rows in micro-batches of 16 (TRL: per_device_train_batch_size 16,
-gradient_accumulation_steps 4, which makes its generation batch 64), the DAPO loss with clip
-0.2/0.28, beta 0 (no reference model), AdamW at lr 2e-5. Both on 2 threads, one process each.
+The work, the LM job's GRPO stage (configs/smollm2_numeric.yaml, read at run time): 8
+numeric-task training prompts through the model's chat template, 8 completions each (64 rows) of
+at most max_new_tokens (48) sampled at the config's temperature (0.7), rewards numeric_format
+(0.1) + numeric_answer (0.9), then one policy pass over the 64 rows in micro-batches of 16 (TRL:
+per_device_train_batch_size 16, gradient_accumulation_steps 4, which makes its generation batch
+64), the DAPO loss with the config's clip (0.2/0.28), beta 0 (no reference model), AdamW at the
+config's lr. Both on 2 threads, one process each. `--model` is the weights both start from: the
+base model by default; the job's GRPO stage starts from its SFT stage's weights, which a run
+exports as hf/ (`--model runs/<sft run>/hf`: the answers are then the short worked ones the
+job's GRPO samples, not the base model's long ones).
 
-Ours runs as `benchmark.py --config smollm2_numeric --only step` (the trainer's own step, its
-precision from the dtype probe). TRL runs twice, in fp32 and with `bf16=True` (autocast in
-training; its generation stays fp32), with gradient checkpointing off (its default is on, which
-is slower on a model this small): its faster one is the baseline. Each step is timed end to
-end (TRL: between consecutive on_step_end callbacks; ours: the trainer's time/step), after
-`--warmup` steps. The prompts differ (each trainer draws its own from the same training set),
-so the mean completion length of each step is recorded too, and time per generated token is
-reported beside time per step."""
+Ours runs as `benchmark.py --config smollm2_numeric --only step --init_from=<model>` (the
+trainer's own step, its precision from the dtype probe). TRL runs twice, in fp32 and with
+`bf16=True` (autocast in training; its generation stays fp32), with gradient checkpointing off
+(its default is on, which is slower on a model this small): its faster one is the baseline. Each
+step is timed end to end (TRL: between consecutive on_step_end callbacks; ours: the trainer's
+time/step), after `--warmup` steps. The prompts differ (each trainer draws its own from the same
+training set), so the mean completion length of each step is recorded too, and time per
+generated token is reported beside time per step. Peak RSS is each whole process's."""
 
 from __future__ import annotations
 
@@ -36,11 +40,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
-WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=2e-5)
+JOB = "smollm2_numeric"  # the config whose GRPO step is timed
 
 
-def run_trl(precision: str, warmup: int, steps: int) -> dict:
-    """TRL's GRPOTrainer on the job's work, in this process."""
+def job_work() -> dict:
+    """The GRPO step's sizes and settings in the job's config, as both trainers get them."""
+    from mini_grpo.config import load_config
+
+    cfg = load_config(JOB)
+    return dict(prompts=cfg.prompts_per_step, group=cfg.group_size,
+                new_tokens=cfg.max_new_tokens, micro=min(16, cfg.micro_batch_size),
+                temperature=cfg.temperature, lr=cfg.lr, epsilon=cfg.epsilon_low,
+                epsilon_high=cfg.epsilon_high)
+
+
+def run_trl(model: Path, precision: str, warmup: int, steps: int) -> dict:
+    """TRL's GRPOTrainer on the job's work from `model`'s weights, in this process."""
     import torch
 
     from mini_grpo.config import GRPOConfig as OurConfig
@@ -63,8 +78,10 @@ def run_trl(precision: str, warmup: int, steps: int) -> dict:
         return numeric_answer(prompts, [text(c) for c in completions], target,
                               [{}] * len(target))
 
-    step_s, logged = timed_trl(MODEL, rows, [fmt, answer], precision, warmup, steps, WORK)
-    return summary(step_s, [g["completions/mean_length"] for g in logged], precision=precision,
+    work = job_work()
+    step_s, logged = timed_trl(model, rows, [fmt, answer], precision, warmup, steps, work)
+    return summary(step_s, [g["completions/mean_length"] for g in logged],
+                   work["prompts"] * work["group"], precision=precision,
                    trl=__import__("trl").__version__,
                    rss_peak_MiB=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
@@ -100,7 +117,8 @@ def timed_trl(model, rows: list[dict], reward_funcs: list, precision: str, warmu
             gradient_accumulation_steps=work["prompts"] * work["group"] // work["micro"],
             num_generations=work["group"], max_completion_length=work["new_tokens"],
             temperature=work["temperature"], top_k=0, top_p=1.0, beta=0.0,
-            epsilon=0.2, epsilon_high=0.28, loss_type="dapo", learning_rate=work["lr"],
+            epsilon=work.get("epsilon", 0.2), epsilon_high=work.get("epsilon_high", 0.28),
+            loss_type="dapo", learning_rate=work["lr"],
             use_cpu=True, bf16=precision == "bf16", gradient_checkpointing=False,
             logging_steps=1, report_to=[], save_strategy="no", seed=0,
             reward_weights=[0.1, 0.9], dataloader_num_workers=0, disable_tqdm=True, **extra)
@@ -113,23 +131,27 @@ def timed_trl(model, rows: list[dict], reward_funcs: list, precision: str, warmu
     return [b - a for a, b in zip(ends, ends[1:])][warmup:], logged[warmup:]
 
 
-def summary(step_s: list[float], lens: list[float], **extra) -> dict:
-    rows = WORK["prompts"] * WORK["group"]
+def summary(step_s: list[float], lens: list[float], rows: int, **extra) -> dict:
+    """Per-step seconds and mean completion lengths (of `rows` completions a step) -> the
+    medians per step and per generated token, beside `extra`."""
     per_tok = [s / (n * rows) for s, n in zip(step_s, lens)]
     return {**extra, "step_s": step_s, "completion_len": lens,
             "median_step_s": statistics.median(step_s),
             "median_s_per_generated_token": statistics.median(per_tok)}
 
 
-def run_ours(warmup: int, steps: int) -> dict:
+def run_ours(model: Path, warmup: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
-        subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config", "smollm2_numeric",
+        subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config", JOB,
                         "--only", "step", "--warmup", str(warmup), "--steps", str(steps),
-                        "--budget_s", "0", "--json", str(out)], check=True, cwd=ROOT)
+                        "--budget_s", "0", "--json", str(out), f"--init_from={model}"],
+                       check=True, cwd=ROOT)
         r = json.loads(out.read_text())
     step = r["step"]
+    work = job_work()
     return summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
+                   work["prompts"] * work["group"],
                    precision=step["precision"], phase_s=step["phase_s"],
                    rss_peak_MiB=step.get("memory", {}).get("rss_peak_MiB"))
 
@@ -162,24 +184,32 @@ def compare(results: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=MODEL,
+                    help="the Hugging Face directory both trainers start from (default: the "
+                         "base model; the job's GRPO starts from its SFT run's hf/)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--trl", choices=["fp32", "bf16"], help=argparse.SUPPRESS)  # one child run
     a = ap.parse_args()
     if a.trl:
-        print(json.dumps(run_trl(a.trl, a.warmup, a.steps)))
+        print(json.dumps(run_trl(a.model, a.trl, a.warmup, a.steps)))
         return 0
-    if not (MODEL / "config.json").exists():
-        sys.exit(f"{MODEL}: not found; run `make model` first")
+    if not (a.model / "config.json").exists():
+        sys.exit(f"{a.model}: no config.json: not a Hugging Face model directory"
+                 + ("; run `make model` first" if a.model == MODEL else ""))
+    a.model = a.model.resolve()
     from mini_grpo.dtype_probe import cpu_name
 
-    results = {"cpu": cpu_name(), "work": WORK, "warmup": a.warmup, "steps": a.steps}
-    results["mini_grpo"] = run_ours(a.warmup, a.steps)
+    # the model by its path in the checkout (a machine's own paths stay out of the results)
+    model = a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model.name
+    results = {"cpu": cpu_name(), "model": str(model),
+               "work": job_work(), "warmup": a.warmup, "steps": a.steps}
+    results["mini_grpo"] = run_ours(a.model, a.warmup, a.steps)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     for precision in ("fp32", "bf16"):
-        r = subprocess.run([sys.executable, __file__, "--trl", precision, "--warmup",
-                            str(a.warmup), "--steps", str(a.steps)], cwd=ROOT, env=env,
+        r = subprocess.run([sys.executable, __file__, "--trl", precision, "--model", str(a.model),
+                            "--warmup", str(a.warmup), "--steps", str(a.steps)], cwd=ROOT, env=env,
                            check=True, stdout=subprocess.PIPE, text=True)
         results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
     compare(results)

@@ -95,7 +95,8 @@ def run_trl(model: Path, precision: str, warmup: int, steps: int) -> dict:
     step_s, logged = timed_trl(model, rows, [fmt, answer], precision, warmup, steps, WORK,
                                max_tool_calling_iterations=WORK["max_tool_rounds"],
                                tools=[calculator])
-    out = summary(step_s, [g["completions/mean_length"] for g in logged], precision=precision,
+    out = summary(step_s, [g["completions/mean_length"] for g in logged],
+                  WORK["prompts"] * WORK["group"], precision=precision,
                   trl=__import__("trl").__version__)
     out["tool_calls"] = [g.get("tools/call_frequency") for g in logged]
     out["reward"] = [g.get("reward") for g in logged]
@@ -119,7 +120,8 @@ def run_ours(model: Path, warmup: int, steps: int) -> dict:
         r = json.loads(out.read_text())
     step = r["step"]
     got = summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
-                  precision=step["precision"], phase_s=step["phase_s"])
+                  WORK["prompts"] * WORK["group"], precision=step["precision"],
+                  phase_s=step["phase_s"])
     got["tool_calls"] = step["per_step"].get("tool_calls")
     got["rss_peak_MiB"] = step.get("memory", {}).get("rss_peak_MiB")
     return got
