@@ -12,7 +12,9 @@ variant: mem/rss_gb after each step (metrics.jsonl), the process's peak RSS (wai
 median step, generation and policy-pass times without the first step, and the wall time.
 `--stage sft`: RFT's SFT stage instead (`--mode=rft` on 64 prompts, no SFT before it: the
 model's own accepted completions, 32 rows a step in 1024-token micro-batches, as in the job),
-reporting the peak RSS, the SFT's tokens/s and the wall time.
+reporting the peak RSS, the SFT's tokens/s and the wall time. `--stage job_sft`: the job's own
+SFT stage (`--mode=sft`: the task's worked answers, the config's batch, lr and micro-batches),
+reporting the same.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path,
         stage: str = "grpo") -> dict:
     out = work / name
-    mode = ["--mode=grpo", f"--max_steps={steps}"] if stage == "grpo" else \
-        ["--mode=rft", "--sft_steps=0", "--rft_num_prompts=64", f"--rft_sft_steps={steps}",
-         "--log_every=1"]
+    mode = {"grpo": ["--mode=grpo", f"--max_steps={steps}"],
+            "sft": ["--mode=rft", "--sft_steps=0", "--rft_num_prompts=64",
+                    f"--rft_sft_steps={steps}", "--log_every=1"],
+            "job_sft": ["--mode=sft", f"--sft_steps={steps}", "--log_every=1"]}[stage]
     args = [sys.executable, str(checkout / "distributed_train.py"), "--config",
             str(checkout / "configs" / "smollm2_numeric.yaml"), *mode, "--num_eval=8",
             "--save_every=1000000", "--report_to=[]",
@@ -50,11 +53,12 @@ def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path,
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{name} failed:\n{p.stderr.read().decode()[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    if stage == "sft":
-        sft = [r for r in rows if "rft/loss" in r]
+    if stage != "grpo":
+        tag = "rft" if stage == "sft" else "sft"
+        sft = [r for r in rows if f"{tag}/loss" in r]
         return {"variant": name, "args": extra, "peak_rss_gb": round(usage.ru_maxrss / 2**20, 3),
-                "sft_tokens_per_s": round(sft[-1]["rft/tokens_per_s"]),
-                "wall_s": round(wall, 1)}
+                "sft_tokens_per_s": round(sft[-1][f"{tag}/tokens_per_s"]),
+                "loss": [round(r[f"{tag}/loss"], 4) for r in sft], "wall_s": round(wall, 1)}
     steps_ = [r for r in rows if "reward/mean" in r]
     times = [r["time/step"] for r in steps_]
 
@@ -72,7 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True, help="NAME:CHECKOUT[:ARGS]")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--stage", choices=["grpo", "sft"], default="grpo")
+    ap.add_argument("--stage", choices=["grpo", "sft", "job_sft"], default="grpo")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     results = []
@@ -81,7 +85,7 @@ def main() -> int:
             name, checkout, *rest = v.split(":", 2)
             extra = rest[0].split(",") if rest and rest[0] else []
             r = run(name, Path(checkout).resolve(), extra, a.steps, Path(work), a.stage)
-            if a.stage == "sft":
+            if a.stage != "grpo":
                 print(f"{name}: peak {r['peak_rss_gb']} GB, {r['sft_tokens_per_s']} tok/s, "
                       f"wall {r['wall_s']} s", flush=True)
                 results.append(r)

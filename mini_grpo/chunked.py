@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 
 LOGITS_BUDGET_BYTES = 256 * 2**20  # one chunk's fp32 logits stay under this by default
-# SFT on a CPU: its passes take the LM head over every token of a micro-batch (1024 in the LM
-# job), which in one shot keeps ~0.7 GB of (tokens, V) logits for backward. 32 MiB chunks held
-# the LM job's SFT stage at 5.0 instead of 5.2-5.4 GB for 6% of its tokens/s; GRPO's passes
-# keep the default, where the same chunks cost 12% of the policy pass (docs/results.md)
+# SFT on a CPU: its passes take the LM head over every target token of a micro-batch (up to
+# 1024 in RFT's SFT), which in one shot keeps ~0.7 GB of (tokens, V) logits for backward. 32 MiB
+# chunks held the LM job's SFT stage at 5.0 instead of 5.2-5.4 GB for 6% of its tokens/s (then
+# over every token); GRPO's passes keep the default, where the same chunks cost 12% of the
+# policy pass (docs/results.md)
 SFT_CPU_BUDGET_BYTES = 32 * 2**20
 ENTROPY_ROWS = 64  # entropy's (rows, V) temporary, beside a chunk's logits
 

@@ -152,13 +152,17 @@ def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Te
     """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
     shares up to one row. `num_tokens`: the divisor, when (x, y) is a micro-batch of it."""
     keep = y >= 0
-    # the LM head in chunks: a big vocabulary never holds (B, T, V) logits (on a CPU, smaller
-    # chunks: chunked.SFT_CPU_BUDGET_BYTES)
+    # the LM head at the target tokens alone: a prompt's positions have no loss, and their
+    # logits were most of the head's work (the LM job: ~60 prompt tokens to ~20 of answer);
+    # a pass without targets takes every position at weight 0, so its graph stays whole
+    at = keep if keep.any() else torch.ones_like(keep)
+    # in chunks: a big vocabulary never holds (tokens, V) logits (on a CPU, smaller chunks:
+    # chunked.SFT_CPU_BUDGET_BYTES)
     budget = SFT_CPU_BUDGET_BYTES if x.device.type == "cpu" else None
-    logp = token_logprobs(net(x, hidden=True), head_weight(net), y.clamp(min=0),
+    logp = token_logprobs(net(x, hidden=True)[at], head_weight(net), y[at].clamp(min=0),
                           budget_bytes=budget)
     total = keep.sum() if num_tokens is None else num_tokens
-    return -(logp * keep).sum() / total.clamp(min=1)
+    return -(logp * keep[at]).sum() / total.clamp(min=1)
 
 
 def sft_pass(net, x: torch.Tensor, y: torch.Tensor, budget: int, state: TrainState):

@@ -106,6 +106,40 @@ def test_sft_micro_batches_leave_the_loss_and_gradient_as_they_were():
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6)
 
 
+def test_sft_loss_takes_the_lm_head_at_the_target_tokens_alone(monkeypatch):
+    """The cross-entropy of the full logits over the target tokens, loss and gradient alike,
+    with the head's logits made for those tokens only; a pass with no target gives a zero
+    loss whose backward still runs (zero gradients)."""
+    from mini_grpo import chunked
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    x = torch.randint(4, 24, (3, 10))
+    y = torch.full((3, 10), -1)
+    y[0, 6:] = x[0, 6:]
+    y[2, 3:8] = x[2, 3:8]  # row 1: prompt alone
+    logits = model(x)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
+    want.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    rows = []
+    real = chunked._ChunkedTokenLogprobs.apply
+    monkeypatch.setattr(chunked._ChunkedTokenLogprobs, "apply",
+                        lambda h, *a: rows.append(h.size(0)) or real(h, *a))
+    got = sft_loss(model, x, y)
+    got.backward()
+    assert rows == [int((y >= 0).sum())] == [9]
+    torch.testing.assert_close(got, want)
+    for a, p in zip(ref, model.parameters()):
+        torch.testing.assert_close(p.grad, a)
+    model.zero_grad(set_to_none=True)
+    none = sft_loss(model, x, torch.full_like(y, -1))
+    none.backward()
+    assert none.item() == 0 and rows[-1] == x.numel()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 def test_the_cuts_are_the_cheapest_of_every_way_to_cut_the_order():
     # every segmentation of a few random orders, against the dynamic programme's
     from itertools import combinations
