@@ -140,7 +140,7 @@ def summary(step_s: list[float], lens: list[float], rows: int, **extra) -> dict:
             "median_s_per_generated_token": statistics.median(per_tok)}
 
 
-def run_ours(model: Path, warmup: int, steps: int) -> dict:
+def run_ours(model: Path, work: dict, warmup: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
         subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config", JOB,
@@ -149,7 +149,6 @@ def run_ours(model: Path, warmup: int, steps: int) -> dict:
                        check=True, cwd=ROOT)
         r = json.loads(out.read_text())
     step = r["step"]
-    work = job_work()
     return summary(step["per_step"]["step_s"], step["per_step"]["completion_len"],
                    work["prompts"] * work["group"],
                    precision=step["precision"], phase_s=step["phase_s"],
@@ -203,9 +202,10 @@ def main() -> int:
 
     # the model by its path in the checkout (a machine's own paths stay out of the results)
     model = a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model.name
+    work = job_work()
     results = {"cpu": cpu_name(), "model": str(model),
-               "work": job_work(), "warmup": a.warmup, "steps": a.steps}
-    results["mini_grpo"] = run_ours(a.model, a.warmup, a.steps)
+               "work": work, "warmup": a.warmup, "steps": a.steps}
+    results["mini_grpo"] = run_ours(a.model, work, a.warmup, a.steps)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     for precision in ("fp32", "bf16"):
         r = subprocess.run([sys.executable, __file__, "--trl", precision, "--model", str(a.model),
