@@ -332,6 +332,46 @@ def test_gradient_checkpointing_and_manual_attention_change_nothing(saved, name)
         torch.testing.assert_close(p.grad, grads[0][n], rtol=1e-5, atol=1e-4, msg=n)
 
 
+def test_a_layer_keeps_each_activation_once_for_its_backward():
+    """What a layer keeps for its backward under bf16 autocast, counted by storage in a
+    shared-prompt pass of a grouped-query model: one bf16 copy of each norm's output (q, k
+    and v read the same one, gate and up too) and o_proj's input; gate, up and their product
+    but not silu(gate) (SiluMul computes it again); keys and values at their nkv heads,
+    never repeated for the query heads. The values and gradients are autograd's."""
+    from mini_grpo.models.llama import SiluMul
+
+    L, nh, C, inner = 2, 6, 48, 96
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(vocab_size=64, block_size=64, n_layer=L, n_head=nh, n_kv_head=2,
+                          n_embd=C, head_dim=8, n_inner=inner))
+    m.attn_impl = "manual"
+    U, P, B, N = 2, 5, 4, 4
+    pids, pmask = torch.randint(1, 64, (U, P)), torch.ones(U, P, dtype=torch.bool)
+    comp, index = torch.randint(1, 64, (B, N)), torch.tensor([0, 0, 1, 1])
+    kept, seen = [], set()
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            kept.append((t.dtype, tuple(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", torch.bfloat16):
+        m(comp, prefix=(pids, pmask, index), hidden=True)
+    T = U * P + B * (N - 1)  # the pass's token positions
+    assert kept.count((torch.bfloat16, (T, C))) == 3 * L
+    assert kept.count((torch.bfloat16, (T, inner))) == 3 * L
+    assert not [s for d, s in kept if len(s) == 3 and s[0] in (U * nh, B * nh)], kept
+
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up, w = (torch.randn(5, 7, dtype=dtype, requires_grad=True) for _ in range(3))
+        (F.silu(gate) * up * w).sum().backward()
+        want = [gate.grad, up.grad]
+        gate.grad = up.grad = None
+        (SiluMul.apply(gate, up) * w).sum().backward()
+        assert torch.equal(gate.grad, want[0]) and torch.equal(up.grad, want[1])
+
+
 # 6. rope settings matter -------------------------------------------------------------------
 
 def test_rope_scaling_and_theta_matter(saved, tmp_path):

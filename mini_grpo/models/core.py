@@ -154,13 +154,17 @@ class Attention(nn.Module):
             causal = isinstance(mask, str)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
                                                   dropout_p=p, is_causal=causal, enable_gqa=gqa)
-        if gqa:
-            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, 1) for t in (k, v))
+        # each key/value head with its g query heads as one matmul, not keys and values copied
+        # g times (repeat_interleave): autograd keeps k and v for the backward, at 1/g the size
+        nkv, S = self.n_kv_head, k.size(2)
+        g = nh // nkv
         # scale q, not the (T, S) scores, and mask in place: each pass over the scores costs
         # as much as the matmul that made them on a CPU
-        att = (q * k.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, S)
-        att = att.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
-        return F.dropout(att, p) @ v if p else att @ v
+        att = (q * hs**-0.5).reshape(B, nkv, g * T, hs) @ k.transpose(-2, -1)  # (B, nkv, gT, S)
+        att = att.view(B, nkv, g, T, S).masked_fill_(~mask.unsqueeze(-3), float("-inf"))
+        att = att.softmax(dim=-1).view(B, nkv, g * T, S)
+        y = F.dropout(att, p) @ v if p else att @ v  # (B, nkv, gT, hs)
+        return y.view(B, nh, T, hs)
 
     def _forward_shared(self, x, s: SharedPrefix):
         """x (U*P + B*m, C): the U prompts' tokens, then the B completions' input tokens."""

@@ -73,17 +73,25 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back before the weight (as Llama's
-    checkpoints were trained)."""
+    checkpoints were trained).
 
-    def __init__(self, dim: int, eps: float):
+    `feeds_linear`: only linear layers read the output, and under autocast each would cast it
+    to autocast's dtype; the norm casts it once instead (the same values), so q, k and v (gate
+    and up) read one copy and their backward keeps one where it kept three (two)."""
+
+    def __init__(self, dim: int, eps: float, feeds_linear: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.feeds_linear = eps, feeds_linear
 
     def forward(self, x):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        y = self.weight * h.to(x.dtype)
+        dev = y.device.type
+        if self.feeds_linear and y.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+            y = y.to(torch.get_autocast_dtype(dev))
+        return y
 
 
 class SelfAttention(Attention):
@@ -133,15 +141,34 @@ class MLP(nn.Module):
             gate, up = self.fused(x).chunk(2, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(SiluMul.apply(gate, up))
         return self.down_proj(F.silu(gate) * up)
+
+
+class SiluMul(torch.autograd.Function):
+    """silu(gate) * up whose backward keeps gate and up alone and computes silu(gate) again,
+    where autograd's silu and mul kept silu(gate) too: one (tokens, n_inner) tensor less a
+    layer. The gradients are autograd's, the same operations on the same values."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps, feeds_linear=True)
         self.self_attn = SelfAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.rms_norm_eps,
+                                                feeds_linear=True)
         self.mlp = MLP(cfg)
 
     def forward(self, x, mask=None, cache=None, layer=0, shared=None, rope=None):
