@@ -332,13 +332,15 @@ def test_gradient_checkpointing_and_manual_attention_change_nothing(saved, name)
         torch.testing.assert_close(p.grad, grads[0][n], rtol=1e-5, atol=1e-4, msg=n)
 
 
-def test_a_layer_keeps_each_activation_once_for_its_backward():
+def test_a_layer_keeps_each_activation_once_for_its_backward(monkeypatch):
     """What a layer keeps for its backward under bf16 autocast, counted by storage in a
-    shared-prompt pass of a grouped-query model: one bf16 copy of each norm's output (q, k
-    and v read the same one, gate and up too) and o_proj's input; gate, up and their product
-    but not silu(gate) (SiluMul computes it again); keys and values at their nkv heads,
-    never repeated for the query heads. The values and gradients are autograd's."""
-    from mini_grpo.models.llama import SiluMul
+    shared-prompt pass of a grouped-query model: each norm's fp32 input but not its fp32
+    output (RMSNormFn normalises again); one bf16 copy of each norm's output (q, k and v read
+    the same one, gate and up too) and o_proj's input; gate and up but neither silu(gate)
+    (SiluMul computes it again) nor their product (down_proj's backward does, from gate and
+    up); keys and values at their nkv heads, never repeated for the query heads. The values
+    are autograd's, and the gradients too."""
+    from mini_grpo.models import llama
 
     L, nh, C, inner = 2, 6, 48, 96
     torch.manual_seed(0)
@@ -355,21 +357,47 @@ def test_a_layer_keeps_each_activation_once_for_its_backward():
             seen.add(t.untyped_storage().data_ptr())
             kept.append((t.dtype, tuple(t.shape)))
         return t
+    recompute = llama.recompute
+
+    def counted(a, gate, up):  # down_proj's hooks stand in for ours: count what they keep
+        inner_pack, unpack = recompute(a, gate, up)
+        return (lambda t: pack(p) if isinstance(p := inner_pack(t), torch.Tensor) else p,
+                unpack)
+    monkeypatch.setattr(llama, "recompute", counted)
+    monkeypatch.setattr(llama, "saved_tensors_hooked", lambda: False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", torch.bfloat16):
         m(comp, prefix=(pids, pmask, index), hidden=True)
     T = U * P + B * (N - 1)  # the pass's token positions
+    assert kept.count((torch.float32, (T, C))) == 2 * L
     assert kept.count((torch.bfloat16, (T, C))) == 3 * L
-    assert kept.count((torch.bfloat16, (T, inner))) == 3 * L
+    assert kept.count((torch.bfloat16, (T, inner))) == 2 * L
     assert not [s for d, s in kept if len(s) == 3 and s[0] in (U * nh, B * nh)], kept
+
+    def grads(recomputed):  # the whole model's, with down_proj's input kept or computed again
+        monkeypatch.setattr(llama, "saved_tensors_hooked", lambda: not recomputed)
+        m.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            h = m(comp, prefix=(pids, pmask, index), hidden=True)
+        h.float().square().mean().backward()
+        return [p.grad.to_dense() for p in m.parameters() if p.grad is not None]
+    assert all(map(torch.equal, grads(True), grads(False)))
 
     for dtype in (torch.float32, torch.bfloat16):
         gate, up, w = (torch.randn(5, 7, dtype=dtype, requires_grad=True) for _ in range(3))
         (F.silu(gate) * up * w).sum().backward()
         want = [gate.grad, up.grad]
         gate.grad = up.grad = None
-        (SiluMul.apply(gate, up) * w).sum().backward()
+        (llama.SiluMul.apply(gate, up) * w).sum().backward()
         assert torch.equal(gate.grad, want[0]) and torch.equal(up.grad, want[1])
+    for dtype, cast in ((torch.float32, None), (torch.float32, torch.bfloat16),
+                        (torch.bfloat16, None)):  # the norm's gradients: autograd's, bit for bit
+        x = torch.randn(3, 4, C, dtype=dtype, requires_grad=True)
+        w = torch.randn(C, requires_grad=True)
+        g = torch.randn(3, 4, C)
+        outs = (llama.rms_norm(x, w, 1e-5, cast)[0], llama.RMSNormFn.apply(x, w, 1e-5, cast))
+        got = [torch.autograd.grad((y * g.to(y.dtype)).sum(), (x, w)) for y in outs]
+        assert torch.equal(outs[0], outs[1]) and all(map(torch.equal, *got))
 
 
 # 6. rope settings matter -------------------------------------------------------------------

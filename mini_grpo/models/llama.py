@@ -85,13 +85,52 @@ class RMSNorm(nn.Module):
         self.eps, self.feeds_linear = eps, feeds_linear
 
     def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * h.to(x.dtype)
-        dev = y.device.type
-        if self.feeds_linear and y.dtype != torch.float64 and torch.is_autocast_enabled(dev):
-            y = y.to(torch.get_autocast_dtype(dev))
+        dev = x.device.type
+        cast = (torch.get_autocast_dtype(dev) if self.feeds_linear
+                and torch.is_autocast_enabled(dev) else None)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return RMSNormFn.apply(x, self.weight, self.eps, cast)
+        return rms_norm(x, self.weight, self.eps, cast)[0]
+
+
+def rms_norm(x, weight, eps: float, cast):
+    """(the norm's output, 1 / rms(x) in fp32): the operations of Llama's RMSNorm."""
+    h = x.float()
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * (h * r).to(x.dtype)
+    if cast is not None and y.dtype != torch.float64:
+        y = y.to(cast)
+    return y, r
+
+
+class RMSNormFn(torch.autograd.Function):
+    """rms_norm whose backward keeps x and 1 / rms(x) alone and normalises x again, where
+    autograd's kept the fp32 normalised x too: one (tokens, width) fp32 tensor less a norm.
+    The backward does autograd's operations in its order, so the gradients are autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, cast):
+        y, r = rms_norm(x, weight, eps, cast)
+        ctx.save_for_backward(x, weight, r)
+        ctx.dtype = torch.result_type(weight, x)  # the output's dtype before the cast
         return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, r = ctx.saved_tensors
+        h = x.float()
+        n = (h * r).to(x.dtype)
+        grad = grad.to(ctx.dtype)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (grad * n).sum_to_size(weight.shape).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gn = (grad * weight).to(n.dtype).float()
+            gr = (gn * h).sum(-1, keepdim=True)
+            gm = -0.5 * gr * r.pow(3)
+            gx = (gn * r + gm.expand(h.shape) / h.shape[-1] * (2 * h)).to(x.dtype)
+        return gx, gw, None, None
 
 
 class SelfAttention(Attention):
@@ -141,9 +180,39 @@ class MLP(nn.Module):
             gate, up = self.fused(x).chunk(2, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return self.down_proj(SiluMul.apply(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+            return self.down_proj(F.silu(gate) * up)
+        a = SiluMul.apply(gate, up)
+        if torch.compiler.is_compiling() or saved_tensors_hooked():
+            return self.down_proj(a)
+        with torch.autograd.graph.saved_tensors_hooks(*recompute(a, gate, up)):
+            return self.down_proj(a)
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are on already (activation checkpointing, offloading): ours
+    must not stand in for theirs."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def recompute(a, gate, up):
+    """Saved-tensor hooks under which down_proj keeps, in place of its input a = silu(gate) *
+    up, the way to compute it again from gate and up, which SiluMul keeps anyway: one (tokens,
+    n_inner) tensor less a layer, for one silu and one product in the backward. The values
+    are the same bits, so the gradients are too."""
+    key = a.untyped_storage().data_ptr()
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != key:
+            return t
+        return t.shape, t.stride(), t.storage_offset()
+
+    def unpack(p):
+        if isinstance(p, torch.Tensor):
+            return p
+        return (F.silu(gate) * up).as_strided(*p)
+    return pack, unpack
 
 
 class SiluMul(torch.autograd.Function):
