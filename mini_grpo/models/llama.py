@@ -119,14 +119,13 @@ class RMSNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, r = ctx.saved_tensors
         h = x.float()
-        n = (h * r).to(x.dtype)
         grad = grad.to(ctx.dtype)
         gw = None
-        if ctx.needs_input_grad[1]:
-            gw = (grad * n).sum_to_size(weight.shape).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # a frozen norm (LoRA) skips normalising x again
+            gw = (grad * (h * r).to(x.dtype)).sum_to_size(weight.shape).to(weight.dtype)
         gx = None
         if ctx.needs_input_grad[0]:
-            gn = (grad * weight).to(n.dtype).float()
+            gn = (grad * weight).to(x.dtype).float()
             gr = (gn * h).sum(-1, keepdim=True)
             gm = -0.5 * gr * r.pow(3)
             gx = (gn * r + gm.expand(h.shape) / h.shape[-1] * (2 * h)).to(x.dtype)
