@@ -71,6 +71,7 @@ from mini_grpo.benchmarks.shapes import ensure as ensure_shape
 from mini_grpo.config import ConfigError, load_config, parse_cli
 from mini_grpo.dtype_probe import cpu_name
 from mini_grpo.engines.native import generate
+from mini_grpo.outputs import check_file, write_json, written_by
 from mini_grpo.policy import is_model_dir
 
 # ---- sections ----
@@ -398,6 +399,9 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(lines)
 
 
+BENCH_JSON = "benchmark.py"  # in the files --json writes: it replaces those alone
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", help="a path or a name in configs/")
@@ -422,6 +426,8 @@ def main(argv=None) -> int:
     try:
         overrides = parse_cli(rest)[1]
         cfg = load_config(args.config, overrides)
+        if args.json:  # before the minutes of measuring: never over a file of the user's
+            check_file(args.json, written_by(BENCH_JSON))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -517,8 +523,11 @@ def main(argv=None) -> int:
         for k, v in result["section_s"].items()) + (f", probe {probe.seconds:.0f}s" if probe
                                                     else "") + ")", file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            write_json(args.json, result, BENCH_JSON, indent=2)
+        except ConfigError as e:  # a file put there while this ran
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -14,7 +14,6 @@ job's training or held-out set (rebuilt from its config)."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import resource
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from calculator_table import accuracy  # noqa: E402
+from outfile import claim  # noqa: E402
 
 RUNS = {"trained, with the tool": ("runs/smollm2_calculator", []),
         "trained without the tool": ("runs/smollm2_calculator_notools", []),
@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=400)
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
+    save = claim(a.json, __file__)
     out = {"cpu": cpu_name(), "n": a.n, "seed": SEED, "rows": {}}
     for name, (path, extra) in RUNS.items():
         ckpt = checkpoint_of(ROOT / path)
@@ -89,8 +90,7 @@ def main() -> int:
     out["rss_peak_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"the tool's gain: {out['tool_gain_points']:+.1f} points, "
           f"{out['tool_gain_se']:.0f} standard errors; peak RSS {out['rss_peak_MiB']:.0f} MiB")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    save(out, indent=1)
     return 0
 
 

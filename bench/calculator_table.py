@@ -31,6 +31,8 @@ import json
 import math
 from pathlib import Path
 
+from outfile import claim
+
 from mini_grpo.dtype_probe import cpu_name
 
 KINDS = ("mul3", "mixed", "convert")
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("base", help="the same without tools")
     ap.add_argument("--out", help="JSON file to write")
     a = ap.parse_args()
+    save = claim(a.out, __file__)
 
     def read(path):
         return json.loads(Path(path).read_text())
@@ -87,10 +90,8 @@ def main() -> None:
                      f"{gain[kind or 'all']['standard_errors']:.1f} standard errors of the "
                      f"difference.")
     print("\n".join(lines))
-    if a.out:
-        Path(a.out).write_text(json.dumps({"cpu": cpu_name(), "rows": table, "gain": gain,
-                                           "runs": [a.tools, a.notools, a.base_tools, a.base]},
-                                          indent=2) + "\n")
+    save({"cpu": cpu_name(), "rows": table, "gain": gain,
+          "runs": [a.tools, a.notools, a.base_tools, a.base]}, indent=2)
 
 
 if __name__ == "__main__":

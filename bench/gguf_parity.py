@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from outfile import claim
+
 from mini_grpo.dtype_probe import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,11 +98,11 @@ def main() -> None:
     ap.add_argument("--exports_of", help="only the export check, of this model directory "
                                          "(a run's hf/, say)")
     args = ap.parse_args()
+    save = claim(args.out, __file__)
     if args.exports_of:
         result = {"cpu": cpu_name(), "model_dir": args.exports_of,
                   "exports_vs_directory_logits": exports(Path(args.exports_of))}
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        save(result, indent=2)
         return
     if not (DIR / "config.json").is_file() or not GGUF.is_file():
         sys.exit("run `make model` first")
@@ -115,8 +117,7 @@ def main() -> None:
               "all_equal": all(r["equal"] for r in rows)}
     print(f"all equal: {result['all_equal']}")
     result["exports_vs_directory_logits"] = exports()
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    save(result, indent=2, ensure_ascii=False)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
+
+from mini_grpo.dtype_probe import cpu_name  # noqa: E402
+
 ARGS = ["--config", "tiny", "--mode=grpo", "--reward_executor=serial", "--max_steps=40",
         "--save_every=1", "--eval_every=10", "--num_eval=8", "--report_to=[]"]
 # --multiturn: the guess-the-number environment (examples/) on a tiny Hugging Face model that
@@ -128,6 +133,7 @@ def main() -> int:
     ap.add_argument("--multiturn", action="store_true",
                     help="a multi-turn run: an environment answers each turn")
     args = ap.parse_args()
+    save = claim(args.json, __file__)
     import tempfile
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kill_resume_"))
@@ -141,10 +147,9 @@ def main() -> int:
     results = [one(d, args.kills, work, rng, setup) for d in args.dtypes]
     for r in results:
         r["rounds_per_rollout"] = _rounds(work / f"{r['dtype']}_killed")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": _cpu(), "args": ARGS + setup[:-1] + [
-            "--init_from=(a tiny model: tests/conftest.py tiny_lm_dir)"] if setup else ARGS,
-                                               "results": results}, indent=2) + "\n")
+    shown = [*ARGS, *setup[:-1], "--init_from=(a tiny model: tests/conftest.py tiny_lm_dir)"] \
+        if setup else ARGS
+    save({"cpu": cpu_name(), "args": shown, "results": results}, indent=2)
     return 0 if all(r["same_weights"] and r["same_metrics"] for r in results) else 1
 
 
@@ -152,16 +157,6 @@ def _rounds(out: Path) -> float | None:
     """Tool or environment rounds per rollout over the run's steps (None: single-turn)."""
     got = [r["tools/rounds"] for r in rows(out) if "tools/rounds" in r]
     return round(sum(got) / len(got), 3) if got else None
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

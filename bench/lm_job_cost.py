@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
+
 # the line that closes each phase, in the order they run
 PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
           ("sft", re.compile(r"^\[sft\] done in")),
@@ -91,24 +94,6 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
               "eval": ev}
 
 
-def check_json(path: Path, keys: set[str] = frozenset({"cpu", "args", "peak_rss_gb",
-                                                        "phase_s"})) -> None:
-    """--json, before the job runs: a new file in a folder that exists, or one of this
-    script's own results (its `keys`), which the run replaces; anything else is left alone.
-    bench/policy_plans.py asks it too, with its own keys."""
-    if not path.parent.is_dir():
-        raise SystemExit(f"--json {path}: its folder does not exist")
-    if not path.exists():
-        return
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = None
-    if not (isinstance(data, dict) and keys <= set(data)):
-        raise SystemExit(f"--json {path}: not written by this script; it is left alone "
-                         f"(choose another file)")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out_dir", required=True, help="the job's out_dir (new or its own)")
@@ -116,12 +101,10 @@ def main() -> int:
     ap.add_argument("--config", default="smollm2_numeric", help="the job's config")
     ap.add_argument("extra", nargs="*", help="more options for distributed_train.py")
     a = ap.parse_args()
-    if a.json:
-        check_json(Path(a.json))
+    save = claim(a.json, __file__)  # before the job's minutes
     result = measure(a.out_dir, a.config, a.extra)
     print(json.dumps({k: v for k, v in result.items() if k != "eval"}, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+    save(result, indent=2)
     return 0
 
 

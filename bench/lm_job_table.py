@@ -24,6 +24,8 @@ import math
 import statistics
 from pathlib import Path
 
+from outfile import claim
+
 from mini_grpo.dtype_probe import cpu_name
 
 
@@ -65,6 +67,7 @@ def main() -> None:
                     help="wall minutes of the runs, in the same order")
     ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args()
+    save = claim(args.out, __file__)
     a = json.loads((Path(args.job) / "eval.json").read_text())
     mode = run_config(args.job)["mode"]
     rows = {"base": a["before"], "SFT": a.get("sft"), "RFT": a.get("rft")}
@@ -100,8 +103,7 @@ def main() -> None:
     steps = {k: v for k, v in result["grpo_step_s_median"].items() if v is not None}
     if steps:
         print("median GRPO step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    save(result, indent=2)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
+
+from mini_grpo.dtype_probe import cpu_name  # noqa: E402
 
 
 def run(name: str, checkout: Path, extra: list[str], steps: int, work: Path,
@@ -79,6 +83,7 @@ def main() -> int:
     ap.add_argument("--stage", choices=["grpo", "sft", "job_sft"], default="grpo")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    save = claim(a.json, __file__)
     results = []
     with tempfile.TemporaryDirectory(prefix="memory_steps_") as work:  # each run's export:
         for v in a.variant:  # ~1.8 GB, gone with the directory
@@ -94,13 +99,7 @@ def main() -> int:
                   f"median step {r['median_step_s']} s (generation {r['median_generate_s']}, "
                   f"policy {r['median_policy_s']}), wall {r['wall_s']} s", flush=True)
             results.append(r)
-    if a.json:
-        cpu = next((line.split(":", 1)[1].strip() for line in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "unknown")
-        Path(a.json).write_text(json.dumps({"cpu": cpu, "stage": a.stage, "steps": a.steps,
-                                            "results": results},
-                                           indent=2) + "\n")
+    save({"cpu": cpu_name(), "stage": a.stage, "steps": a.steps, "results": results}, indent=2)
     return 0
 
 

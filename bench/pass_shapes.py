@@ -14,7 +14,6 @@ of each round's median. One process, nothing else running.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -27,8 +26,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from mini_grpo.dtype_probe import cpu_name  # noqa: E402
 from mini_grpo.models.llama import Llama, LlamaConfig  # noqa: E402
 from mini_grpo.precision import bound_onednn_caches  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
 
 
 def main() -> int:
@@ -37,6 +40,7 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=6, help="passes per mode and round")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    save = claim(a.json, __file__)
     bound_onednn_caches()  # before oneDNN's first use, as the job does
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=49152, block_size=2048, n_layer=30, n_head=9,
@@ -65,14 +69,9 @@ def main() -> int:
            for mode, v in rounds.items()}
     for mode, r in out.items():
         print(f"{mode}: {r['median_s']} s per 384 positions (rounds {r['rounds_s']})")
-    if a.json:
-        cpu = next((line.split(":", 1)[1].strip() for line in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "unknown")
-        Path(a.json).write_text(json.dumps({
-            "cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "onednn_primitives": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
-            "results": out}, indent=2) + "\n")
+    save({"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+          "onednn_primitives": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
+          "results": out}, indent=2)
     return 0
 
 

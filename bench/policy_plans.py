@@ -24,7 +24,6 @@ micro-batch.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -37,9 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from lm_job_cost import check_json  # noqa: E402
+from outfile import claim  # noqa: E402
 
 from mini_grpo.config import load_config  # noqa: E402
+from mini_grpo.dtype_probe import cpu_name  # noqa: E402
 from mini_grpo.engines import Sampling  # noqa: E402
 from mini_grpo.run import setup  # noqa: E402
 from mini_grpo.scoring import score  # noqa: E402
@@ -93,8 +93,7 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="config overrides, --key=value")
     a = ap.parse_args()
     names = a.plans.split(",")
-    if a.json:  # a new file, or one this script wrote: refused before any work
-        check_json(Path(a.json), {"cpu", "results", "fit_ms_per_pass"})
+    save = claim(a.json, __file__)  # a new file, or one this script wrote: before any work
     with tempfile.TemporaryDirectory(prefix="policy_plans_") as work:
         cfg = load_config("smollm2_numeric", dict(
             [("mode", "grpo"), ("num_eval", 8), ("report_to", []), ("out_dir", work),
@@ -169,18 +168,13 @@ def main() -> int:
     print(f"fit: {per_pos * 1e3:.2f} ms a position, {per_pass * 1e3:.0f} ms a micro-batch "
           f"(= {per_pass / per_pos:.0f} positions); peak RSS {peak:.2f} GiB; gradients "
           f"within {worst:.2%} of the first plan's (norm)")
-    if a.json:
-        cpu = next((line.split(":", 1)[1].strip() for line in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "unknown")
-        Path(a.json).write_text(json.dumps({
-            "cpu": cpu, "command": " ".join(sys.argv), "batches": a.steps, "reps": a.reps,
-            "results": results, "fit_ms_per_position": round(per_pos * 1e3, 3),
-            "fit_ms_per_pass": round(per_pass * 1e3, 1),
-            "fit_pass_in_positions": round(per_pass / per_pos), "peak_rss_gb": round(peak, 3),
-            "gradient_difference": round(worst, 5),
-            "units": "seconds per policy pass; peak_rss_gb: GiB (2^30 bytes), the process's"},
-            indent=2) + "\n")
+    save({"cpu": cpu_name(), "command": " ".join(sys.argv), "batches": a.steps,
+          "reps": a.reps, "results": results, "fit_ms_per_position": round(per_pos * 1e3, 3),
+          "fit_ms_per_pass": round(per_pass * 1e3, 1),
+          "fit_pass_in_positions": round(per_pass / per_pos), "peak_rss_gb": round(peak, 3),
+          "gradient_difference": round(worst, 5),
+          "units": "seconds per policy pass; peak_rss_gb: GiB (2^30 bytes), the process's"},
+         indent=2)
     return 0
 
 

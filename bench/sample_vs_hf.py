@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from outfile import claim
+
 from mini_grpo.benchmarks.shapes import build
 from mini_grpo.dtype_probe import cpu_name
 
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    save = claim(args.out, __file__)
     d = Path(args.model_dir)
     if not (d / "config.json").is_file():
         print(f"building {d} (SmolLM2-135M shape, random weights)", flush=True)
@@ -103,8 +106,7 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in (
         "median_wall_s", "median_cpu_s", "ratio_ours_to_hf", "ratio_ours_fp32_to_hf",
         "cpu_ratio_ours_to_hf", "cpu_ratio_ours_fp32_to_hf")}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    save(result, indent=2)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
+
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 JOB = "smollm2_numeric"  # the config whose GRPO step is timed
 
@@ -194,6 +197,7 @@ def main() -> int:
     if a.trl:
         print(json.dumps(run_trl(a.model, a.trl, a.warmup, a.steps)))
         return 0
+    save = claim(a.out, __file__)
     if not (a.model / "config.json").exists():
         sys.exit(f"{a.model}: no config.json: not a Hugging Face model directory"
                  + ("; run `make model` first" if a.model == MODEL else ""))
@@ -213,8 +217,7 @@ def main() -> int:
                            check=True, stdout=subprocess.PIPE, text=True)
         results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
     compare(results)
-    if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+    save(results, indent=1)
     return 0
 
 

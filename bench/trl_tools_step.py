@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
 from trl_step import compare, summary, timed_trl  # noqa: E402
 
 MODEL = ROOT / "runs" / "smollm2_calculator" / "hf"
@@ -138,6 +139,7 @@ def main() -> int:
     if a.trl:
         print(json.dumps(run_trl(Path(a.model), a.trl, a.warmup, a.steps)))
         return 0
+    save = claim(a.out, __file__)
     if not (Path(a.model) / "config.json").exists():
         sys.exit(f"{a.model}: not found; run `make calculator-job` first (or pass --model)")
     from mini_grpo.dtype_probe import cpu_name
@@ -155,8 +157,7 @@ def main() -> int:
                                cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
             results[f"trl_{precision}"] = json.loads(r.stdout.strip().splitlines()[-1])
     compare(results)
-    if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+    save(results, indent=1)
     return 0
 
 

@@ -32,6 +32,9 @@ from mini_grpo.envs import ToolEnv  # noqa: E402
 from mini_grpo.models.hf import load_hf_model  # noqa: E402
 from mini_grpo.tokenizer import HFTokenizer  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
+
 QUESTIONS = [f"What is {a} * {b}? Put the final answer in <answer></answer> tags."
              for a, b in [(431, 254), (17, 23), (908, 12), (55, 66), (123, 456), (7, 89),
                           (640, 3), (29, 31), (314, 159), (265, 358), (97, 93), (12, 12),
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--max_new_tokens", type=int, default=96)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    save = claim(args.json, __file__)
     torch.set_num_threads(2)
     tok = HFTokenizer.from_dir(args.model)
     tok.configure_chat("auto", "")
@@ -76,8 +80,7 @@ def main() -> None:
            "ratio_turn_loop": med["turn_loop"] / med["single_turn"],
            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
     print(json.dumps({k: out[k] for k in ("median_s", "ratio_turn_loop", "peak_rss_gb")}))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    save(out, indent=2)
 
 
 if __name__ == "__main__":

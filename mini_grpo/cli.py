@@ -114,11 +114,11 @@ def evaluate_main(argv: list[str]) -> int:
 
     def run_eval():
         from .evaluate import evaluate, format_table
-        from .outputs import check_file, write_file
+        from .outputs import check_file, write_json, written_by
         from .run import setup
 
         if args.json:  # before the evaluation's minutes: never over a file of the user's
-            check_file(args.json, _our_eval_json)
+            check_file(args.json, written_by(EVAL_JSON))
         state, cfg = _from_checkpoint(args.checkpoint, rest)
         with setup(cfg, checkpoint=state, log=False, train=False) as run:
             run.sync_engine()
@@ -130,22 +130,12 @@ def evaluate_main(argv: list[str]) -> int:
                   f"prompts")
         print(format_table(result))
         if args.json:
-            write_file(args.json, json.dumps({"written_by": EVAL_JSON, **result}, indent=2),
-                       owned=_our_eval_json)
+            write_json(args.json, result, EVAL_JSON, indent=2)
 
     return _guarded(run_eval)
 
 
 EVAL_JSON = "mini-grpo evaluate"  # in the files `evaluate --json` writes: it may replace them
-
-
-def _our_eval_json(path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(1 << 24))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and data.get("written_by") == EVAL_JSON
 
 
 def sample_main(argv: list[str]) -> int:

@@ -3,6 +3,7 @@
     path = replace_dir("runs/x/hf", HF_FILES, lambda tmp: ...write files into tmp...)
     write_file("runs/x/eval.json", text)                       # inside a run's own directory
     write_file("out.json", text, owned=lambda p: ...)          # replaces only a file of ours
+    write_json("out.json", {...}, "mini-grpo evaluate")        # the same, marked as ours
     write_atomic("x.pt", lambda tmp: torch.save(obj, tmp), durable=True)  # a library's writer
 
 A training run writes into its out_dir only where that is new, empty, or a run directory
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -161,6 +163,28 @@ def write_file(output: str | Path, text: str,
     if owned is not None:
         check_file(output, owned)
     return write_atomic(output, lambda tmp: tmp.write_text(text))
+
+
+def written_by(writer: str) -> Callable[[Path], bool]:
+    """An `owned` test for JSON results (check_file, write_file): a JSON object whose
+    "written_by" is `writer`, the mark write_json puts in every file it writes."""
+
+    def owned(path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read(1 << 24))  # a larger file is no result of ours
+        except (OSError, ValueError, RecursionError):
+            return False
+        return isinstance(data, dict) and data.get("written_by") == writer
+
+    return owned
+
+
+def write_json(output: str | Path, data: dict, writer: str, **dump) -> Path:
+    """`data` as JSON into `output` (json.dumps' `dump` options), marked as `writer`'s: an
+    existing file is replaced only where `writer` wrote it (ConfigError naming it else)."""
+    text = json.dumps({"written_by": writer, **data}, **dump) + "\n"
+    return write_file(output, text, owned=written_by(writer))
 
 
 def write_atomic(output: str | Path, fill: Callable[[Path], None],

@@ -62,6 +62,7 @@ def test_budgeted_run_prints_its_plan_and_progress_and_records_the_sizes(tmp_pat
     assert (g["batch"], g["repeats"], g["new_tokens"]) == (p["gen_batch"], p["repeats"],
                                                            p["new_tokens"])
     assert res["probe"]["fwd_token_s"] > 0 and res["cpu"]
+    assert res["written_by"] == "benchmark.py"  # marked: a later --json may replace it
 
 
 def test_step_section_reports_consistent_phases_tokens_and_mfu(tmp_path):

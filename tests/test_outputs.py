@@ -190,6 +190,30 @@ def test_evaluate_json_never_replaces_a_users_file(tmp_path, capsys):
     assert notes.read_text() == '{"mine": 1}'
 
 
+def test_write_json_replaces_only_what_its_writer_marked(tmp_path):
+    import json
+
+    from mini_grpo.outputs import write_json, written_by
+
+    out = write_json(tmp_path / "r.json", {"a": 1}, "bench/x.py")
+    assert json.loads(out.read_text()) == {"written_by": "bench/x.py", "a": 1}
+    assert written_by("bench/x.py")(out) and not written_by("bench/y.py")(out)
+    write_json(out, {"a": 2}, "bench/x.py")  # its own: replaced
+    assert json.loads(out.read_text())["a"] == 2
+    with pytest.raises(ConfigError, match="r.json: exists and was not written"):
+        write_json(out, {"a": 3}, "bench/y.py")  # another writer's
+    for name, text in [("plain.json", '{"a": 1}'), ("list.json", '["bench/x.py"]'),
+                       ("notes.txt", "written_by bench/x.py"), ("empty.json", "")]:
+        (tmp_path / name).write_text(text)  # a user's, however it looks
+        with pytest.raises(ConfigError, match=f"{name}: exists and was not written"):
+            write_json(tmp_path / name, {"a": 1}, "bench/x.py")
+        assert (tmp_path / name).read_text() == text
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ConfigError, match="dir.json: exists and was not written"):
+        write_json(tmp_path / "dir.json", {"a": 1}, "bench/x.py")
+    assert json.loads(out.read_text())["a"] == 2
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
                                    OSError("6144 requested and 3520 written"),
                                    OSError(errno.EIO, "Input/output error")])

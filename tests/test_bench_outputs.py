@@ -1,0 +1,80 @@
+"""The bench scripts and benchmark.py write their results over no file they did not write: a
+user's file (or an older result without the mark) is refused, naming it, before any work."""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+# each script with the least arguments that reach its output's check; the work itself (a job,
+# a model, TRL) is never reached: the dummy paths below would fail it
+SCRIPTS = [
+    ("calculator_fresh_eval", ["--json"]),
+    ("calculator_table", ["t", "n", "bt", "b", "--out"]),
+    ("gguf_parity", ["--out"]),
+    ("kill_resume", ["--json"]),
+    ("lm_job_cost", ["--out_dir", "runs/none", "--json"]),
+    ("lm_job_seeds", ["--name", "x", "--seeds", "1", "--json"]),
+    ("lm_job_table", ["none", "--out"]),
+    ("memory_steps", ["--variant", "a:none", "--json"]),
+    ("pass_shapes", ["--json"]),
+    ("policy_plans", ["--json"]),
+    ("sample_vs_hf", ["--model_dir", "none", "--out"]),
+    ("trl_step", ["--model", "none", "--out"]),
+    ("trl_tools_step", ["--model", "none", "--out"]),
+    ("turns_overhead", ["--model", "none", "--json"]),
+]
+
+
+def test_every_bench_script_that_writes_json_is_checked_here():
+    writers = {p.stem for p in (ROOT / "bench").glob("*.py")
+               if "--json" in p.read_text() or "--out\"" in p.read_text()}
+    assert writers - {"outfile", "rss_timeline"} <= {name for name, _ in SCRIPTS}
+
+
+@pytest.mark.parametrize("name,args", SCRIPTS, ids=[n for n, _ in SCRIPTS])
+def test_a_bench_script_refuses_a_users_file_before_any_work(name, args, tmp_path, monkeypatch,
+                                                            capsys):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *args, str(notes)])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(name).main()
+    assert "notes.json" in str(e.value) and "not written by" in str(e.value)
+    assert notes.read_text() == '{"mine": 1}\n'
+    assert capsys.readouterr().out == ""  # nothing started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]
+
+
+def test_a_bench_script_replaces_its_own_result_and_marks_it(tmp_path, monkeypatch):
+    from outfile import claim
+
+    out = tmp_path / "r.json"
+    claim(out, "bench/pass_shapes.py")({"a": 1}, indent=2)
+    claim(out, "bench/pass_shapes.py")({"a": 2}, indent=2)  # its own: checked, replaced
+    assert json.loads(out.read_text()) == {"written_by": "bench/pass_shapes.py", "a": 2}
+    with pytest.raises(SystemExit, match="r.json: exists and was not written"):
+        claim(out, "bench/memory_steps.py")  # another script's result
+    save = claim(tmp_path / "late.json", "bench/x.py")
+    (tmp_path / "late.json").write_text("a user's, made while the script ran")
+    with pytest.raises(SystemExit, match="late.json: exists and was not written"):
+        save({"a": 1})
+    assert (tmp_path / "late.json").read_text() == "a user's, made while the script ran"
+
+
+def test_benchmark_json_refuses_a_users_file_before_measuring(tmp_path):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    r = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--config", "tiny",
+                        "--only", "generation", "--json", str(notes)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=clean_env())
+    assert r.returncode == 2, r.stderr
+    assert "notes.json: exists and was not written by this command" in r.stderr
+    assert "[bench]" not in r.stderr  # no plan, no probe: refused first
+    assert notes.read_text() == '{"mine": 1}\n'
