@@ -25,6 +25,7 @@ SCRIPTS = [
     ("pass_shapes", ["--json"]),
     ("policy_plans", ["--json"]),
     ("sample_vs_hf", ["--model_dir", "none", "--out"]),
+    ("step_profile", ["--init_from", "none", "--json"]),
     ("trl_step", ["--model", "none", "--out"]),
     ("trl_tools_step", ["--model", "none", "--out"]),
     ("turns_overhead", ["--model", "none", "--json"]),
