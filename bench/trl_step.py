@@ -39,9 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from outfile import claim  # noqa: E402
-
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 JOB = "smollm2_numeric"  # the config whose GRPO step is timed
 
@@ -197,6 +194,8 @@ def main() -> int:
     if a.trl:
         print(json.dumps(run_trl(a.model, a.trl, a.warmup, a.steps)))
         return 0
+    from outfile import claim  # here: TRL's processes import no more of mini_grpo than before
+
     save = claim(a.out, __file__)
     if not (a.model / "config.json").exists():
         sys.exit(f"{a.model}: no config.json: not a Hugging Face model directory"

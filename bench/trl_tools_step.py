@@ -38,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from outfile import claim  # noqa: E402
 from trl_step import compare, summary, timed_trl  # noqa: E402
 
 MODEL = ROOT / "runs" / "smollm2_calculator" / "hf"
@@ -139,6 +138,8 @@ def main() -> int:
     if a.trl:
         print(json.dumps(run_trl(Path(a.model), a.trl, a.warmup, a.steps)))
         return 0
+    from outfile import claim  # here: TRL's processes import no more of mini_grpo than before
+
     save = claim(a.out, __file__)
     if not (Path(a.model) / "config.json").exists():
         sys.exit(f"{a.model}: not found; run `make calculator-job` first (or pass --model)")
