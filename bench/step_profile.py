@@ -8,13 +8,15 @@ allocation, the optimizer's), so that two CPUs can be compared kind by kind.
 
 It builds the job's policy as the job's GRPO stage does (configs/smollm2_numeric.yaml,
 `--mode=grpo`, its autocast and micro-batch plan) from `--init_from` (default: the base model;
-the job's GRPO starts from its SFT stage: `mini-grpo export --checkpoint <run>/sft/step_0000060.pt
---output DIR` makes one), and runs the job's steps 1, 2, ... (the same prompts on every machine):
-one warm-up step, then `--steps` steps timed without the profiler (the phases' medians: the
-figures to compare), then `--steps` under it (where the time goes, as shares: the profiler
-adds its own cost to every operator, most to the rollout's many small ones). Self CPU time of
-each operator, summed by phase and kind, per step; the largest operators of each phase listed.
-Nothing else heavy should run beside it.
+the job's GRPO starts from its SFT stage: `mini-grpo export --checkpoint
+<run>/sft/step_0000060.pt --output DIR` makes one), and runs the job's steps 1, 2, ... (the
+same prompts on every machine): `--warmup` steps first (the heap grows to what a step needs:
+the first steps fault fresh pages in), then `--steps` steps timed without the
+profiler (the phases' medians, the figures to compare, and the minor page faults each phase
+took: fresh memory written), then `--steps` under it (where the time goes, as shares: the
+profiler adds its own cost to every operator, most to the rollout's many small ones). Self CPU
+time of each operator, summed by phase and kind, per step; the largest operators of each phase
+listed. Nothing else heavy should run beside it.
 """
 
 from __future__ import annotations
@@ -79,9 +81,22 @@ def kind_of(op: str) -> str:
     return next((kind for kind, fits in KINDS if fits(base, op)), "elementwise_other")
 
 
+def huge_pages_gb() -> float | None:
+    """GiB of this process's anonymous memory on transparent huge pages (Linux), None if
+    unknown: whether THP_MEM_ALLOC_ENABLE took."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return round(int(line.split()[1]) / 2**20, 3)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--init_from", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--warmup", type=int, default=3, help="steps first, not counted")
     ap.add_argument("--steps", type=int, default=3, help="timed steps, and profiled steps")
     ap.add_argument("--top", type=int, default=12, help="operators listed per phase")
     ap.add_argument("--json", default="")
@@ -92,6 +107,7 @@ def main() -> int:
         raise SystemExit(f"--init_from {a.init_from}: no model there (`make model` makes the "
                          f"base model)")
     plain: dict[str, list[float]] = defaultdict(list)
+    faults: dict[str, list[int]] = defaultdict(list)  # minor page faults (fresh pages)
     ops: dict[str, dict[str, float]] = {p: defaultdict(float) for p in
                                         ("generate", "policy", "optimizer")}
     lengths: list[float] = []
@@ -107,9 +123,11 @@ def main() -> int:
 
             def phase(name, fn, prof: bool):
                 if not prof:
-                    t0 = time.perf_counter()
+                    t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
                     out = fn()
                     plain[name].append(time.perf_counter() - t0)
+                    faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                                        - f0.ru_minflt)
                     return out
                 with profile(activities=[ProfilerActivity.CPU]) as p:
                     out = fn()
@@ -137,21 +155,30 @@ def main() -> int:
                       f"{lengths[-1]:.1f} tokens on average, {len(traj.plan)} micro-batches",
                       flush=True)
 
-            step(1, False)  # warm-up: not counted
-            plain.clear()
-            for k in range(2, 2 + a.steps):
+            for k in range(1, 1 + a.warmup):  # the heap grows to what a step needs
                 step(k, False)
-            for k in range(2 + a.steps, 2 + 2 * a.steps):
+            plain.clear()
+            faults.clear()
+            first = 1 + a.warmup
+            for k in range(first, first + a.steps):
+                step(k, False)
+            huge = huge_pages_gb()  # as the timed steps left the process, before the profiler
+            for k in range(first + a.steps, first + 2 * a.steps):
                 step(k, True)
     median = {p: round(statistics.median(v), 3) for p, v in plain.items()}
+    median_faults = {p: int(statistics.median(v)) for p, v in faults.items()}
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "init_from": Path(a.init_from).name, "steps": a.steps, "extra": a.extra,
+              "init_from": Path(a.init_from).name, "warmup": a.warmup, "steps": a.steps,
+              "extra": a.extra,
               "completion_len": [round(x, 1) for x in lengths],
-              "median_s": median, "phases": {}, "units": "seconds per step; peak_rss_gb: GiB "
-              "(2^30 bytes), the process's, the profiler's records included",
+              "median_s": median, "median_minor_faults": median_faults,
+              "anon_huge_pages_gb": huge, "phases": {},
+              "units": "seconds per step; peak_rss_gb: GiB (2^30 bytes), the process's, the "
+              "profiler's records included",
               "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
     print(f"\nmedians of {a.steps} steps without the profiler: " +
-          ", ".join(f"{p} {s:.2f} s" for p, s in median.items()) +
+          ", ".join(f"{p} {s:.2f} s ({median_faults[p]} minor page faults)"
+                    for p, s in median.items()) +
           f"; completions {statistics.mean(lengths):.1f} tokens; peak RSS "
           f"{result['peak_rss_gb']:.2f} GiB")
     for name, table in ops.items():
