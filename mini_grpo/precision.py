@@ -93,6 +93,50 @@ class Precision:
         return text
 
 
+@contextlib.contextmanager
+def linear_weights_cast_once(model: torch.nn.Module, dtype: torch.dtype | None):
+    """Within it, the trained fp32 weights of `model`'s nn.Linear layers are `dtype` copies,
+    cast once, where autocast casts them again in every micro-batch's forward and casts each
+    weight's gradient back to fp32 in its backward (on the Xeon those copies were 28% of the
+    LM job's policy pass: docs/results.md). Each copy's gradient is added into its fp32
+    parameter's `.grad` as the backward makes it (fp32 += the low-precision gradient, what
+    autocast's cast-back and accumulation compute: the same bits). Forward and backward both
+    belong inside (activation checkpointing forwards again in the backward).
+
+    For a plain module only, under autocast in `dtype` (None: a no-op): not DDP-wrapped (its
+    hooks are on the parameters), sharded or compiled. A weight shared with another module
+    (a tied LM head) and a frozen or low-precision one (LoRA's base) are left as they are."""
+    if dtype is None:
+        yield
+        return
+    count: dict[int, int] = {}
+    for _, q in model.named_parameters(remove_duplicate=False):
+        count[id(q)] = count.get(id(q), 0) + 1
+    swapped = []
+    for mod in model.modules():
+        w = mod._parameters.get("weight") if isinstance(mod, torch.nn.Linear) else None
+        if (w is None or not w.requires_grad or w.dtype != torch.float32
+                or count[id(w)] > 1):
+            continue
+        low = w.detach().to(dtype).requires_grad_()
+
+        def add_into(low: torch.Tensor, w: torch.Tensor = w) -> None:
+            if w.grad is None:
+                w.grad = low.grad.to(w.dtype)
+            else:
+                w.grad.add_(low.grad)
+            low.grad = None
+        low.register_post_accumulate_grad_hook(add_into)
+        swapped.append((mod, w, low))
+    try:
+        for mod, _, low in swapped:
+            mod._parameters["weight"] = low
+        yield
+    finally:
+        for mod, w, _ in swapped:
+            mod._parameters["weight"] = w
+
+
 def resolve_precision(cfg: GRPOConfig, device: torch.device, probe=None,
                       train: bool = True) -> Precision:
     """The config's precision for this machine. On a CPU with bf16 units, `amp_dtype: auto`

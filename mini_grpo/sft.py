@@ -176,14 +176,15 @@ def sft_pass(net, x: torch.Tensor, y: torch.Tensor, budget: int, state: TrainSta
         lengths[i] for i in rows), budget) if budget else [list(range(x.size(0)))]
     passes = plan + plan[-1:] * (fsdp.pad_passes(net, len(plan), x.device) if budget else 0)
     num_tokens, loss = keep.sum(), torch.zeros((), device=x.device)
-    for j, rows in enumerate(passes):
-        n = max(lengths[i] for i in rows)
-        sync = j == len(passes) - 1 or not hasattr(net, "no_sync")
-        with nullcontext() if sync else net.no_sync():
-            with state.autocast():
-                part = sft_loss(net, x[rows, :n], y[rows, :n], num_tokens)
-            if j >= len(plan):
-                part = part * 0.0
-            state.backward(part)
-        loss += part.detach()
+    with state.cast_once(net):
+        for j, rows in enumerate(passes):
+            n = max(lengths[i] for i in rows)
+            sync = j == len(passes) - 1 or not hasattr(net, "no_sync")
+            with nullcontext() if sync else net.no_sync():
+                with state.autocast():
+                    part = sft_loss(net, x[rows, :n], y[rows, :n], num_tokens)
+                if j >= len(plan):
+                    part = part * 0.0
+                state.backward(part)
+            loss += part.detach()
     return loss

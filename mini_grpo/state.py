@@ -20,6 +20,7 @@ travels in every checkpoint with the guard's state, so a resumed run keeps it to
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from .checkpoint import (
 )
 from .guards import Guard, finite_everywhere, params_finite
 from .optim import lr_at, make_optimizer, set_lr
+from .precision import linear_weights_cast_once
 
 if TYPE_CHECKING:
     from .run import Run
@@ -81,6 +83,14 @@ class TrainState:
     def autocast(self, generation: bool = False):
         """The run's autocast for training passes (or sampling), unless the guard cut it."""
         return self.precision.autocast(generation, enabled=self.guard.amp)
+
+    def cast_once(self, net: torch.nn.Module):
+        """Around a step's micro-batches: the Linear weights cast to the autocast dtype once,
+        not once a micro-batch (precision.linear_weights_cast_once), where the model is
+        trained as the plain module (not DDP-wrapped, sharded or compiled) under autocast."""
+        if net is not self.model or not self.guard.amp or fsdp.is_sharded(net):
+            return contextlib.nullcontext()
+        return linear_weights_cast_once(net, self.precision.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()  # scaled only under fp16

@@ -3,6 +3,7 @@ passes and SFT's steps, which bounds activation memory whatever the completions'
 leaves the gradient as it was (the same sums, in more pieces)."""
 
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 from ddp_grad_worker import G, make_batch
@@ -10,7 +11,9 @@ from ddp_grad_worker import G, make_batch
 from mini_grpo.config import load_config
 from mini_grpo.engines.base import Rollout
 from mini_grpo.models import GPT, GPTConfig
+from mini_grpo.models.llama import Llama, LlamaConfig
 from mini_grpo.sft import sft_loss, sft_pass
+from mini_grpo.state import TrainState
 from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory, plan_micro_batches, row_batches
 
@@ -72,12 +75,48 @@ def test_a_budget_leaves_the_policy_gradient_as_it_was():
 
 
 class PlainState:
-    """What sft_pass asks of a TrainState: its autocast (off) and its backward (plain)."""
+    """What sft_pass asks of a TrainState: its autocast (off), its backward (plain) and
+    the weights' cast (none)."""
     def autocast(self):
         return nullcontext()
 
     def backward(self, loss):
         loss.backward()
+
+    def cast_once(self, net):
+        return nullcontext()
+
+
+class BF16State(PlainState):
+    """bf16 autocast, and TrainState's weights cast once a pass where `model` is the net."""
+    def __init__(self, model):
+        self.model, self.guard = model, SimpleNamespace(amp=True)
+        self.precision = SimpleNamespace(dtype=torch.bfloat16)
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    cast_once = TrainState.cast_once
+
+
+def test_sft_passes_with_the_weights_cast_once_give_autocasts_gradients_bit_for_bit():
+    """SFT's micro-batches under bf16 autocast, the Linear weights cast once a step
+    (precision.linear_weights_cast_once) against once a micro-batch: the same loss and
+    fp32 gradients, bit for bit, on a Llama with a tied head."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=48, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                              n_embd=64, head_dim=16, n_inner=128, tie_word_embeddings=True))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(4, 48, (6, 20), generator=g)
+    y = torch.where(torch.arange(20) >= 8, x, -1)
+    out = {}
+    for once in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss = sft_pass(model, x, y, 48, BF16State(model if once else None))
+        out[once] = loss, [p.grad.clone() for p in model.parameters()]
+    assert torch.equal(out[True][0], out[False][0])
+    for a, b in zip(out[True][1], out[False][1]):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def test_sft_micro_batches_leave_the_loss_and_gradient_as_they_were():

@@ -3,6 +3,7 @@
 import json
 import time
 import warnings
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from mini_grpo.checkpoint import latest_checkpoint, list_checkpoints, load_check
 from mini_grpo.engines.native import generate
 from mini_grpo.job import train
 from mini_grpo.reference import Reference
+from mini_grpo.state import TrainState
 from mini_grpo.trainer import TimeLimit
 from mini_grpo.trajectory import MicroBatch
 
@@ -279,3 +281,50 @@ def test_resume_refuses_what_cannot_work_and_logs_what_changed(tmp_path):
     train(tiny(tmp_path, "s", mode="sft", sft_steps=2))
     with pytest.raises(CheckpointError, match="--init_from="):
         train(tiny(tmp_path, "g", resume=str(tmp_path / "s" / "sft" / "step_0000002.pt")))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpointing):
+    """precision.linear_weights_cast_once: a pass casts the Linear weights to bf16 once, not
+    once a micro-batch, and adds each copy's gradient into the fp32 one as autocast's cast-back
+    and accumulation did: the same gradients, bit for bit, over several micro-batches (the tied
+    head and embedding left to autocast), with activation checkpointing too; afterwards the
+    model holds its own parameters again."""
+    from mini_grpo.models.llama import Llama, LlamaConfig
+    from mini_grpo.precision import linear_weights_cast_once
+    from mini_grpo.trainer import policy_pass
+    from mini_grpo.trajectory import Trajectory
+
+    cfg = tiny_config(None, use_amp=True, amp_dtype="bfloat16", micro_batch_size=2, beta=0.0,
+                      gradient_checkpointing=checkpointing)
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(vocab_size=48, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=64, head_dim=16, n_inner=128, tie_word_embeddings=True))
+    m.gradient_checkpointing = checkpointing
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    prompts = [[1, 5, 6, 7]] * 4 + [[1, 8, 9]] * 4
+    with bf16():
+        r = generate(m, prompts, 10, 2, 0, temperature=cfg.temperature,
+                     generator=torch.Generator().manual_seed(0))
+    traj = Trajectory.of(r, torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), cfg)
+    assert len(traj.micro_batches()) >= 3
+    m.train()
+    params = dict(m.named_parameters())
+    grads = {}
+    for once in (False, True):
+        m.zero_grad(set_to_none=True)
+        state = SimpleNamespace(model=m if once else None, guard=SimpleNamespace(amp=True),
+                                precision=SimpleNamespace(dtype=torch.bfloat16),
+                                autocast=bf16, backward=torch.Tensor.backward)
+        state.cast_once = partial(TrainState.cast_once, state)
+        policy_pass(m, traj, cfg, state)
+        grads[once] = {k: p.grad.clone() for k, p in m.named_parameters()}
+        assert dict(m.named_parameters()) == params  # the same Parameter objects
+    assert grads[True].keys() == grads[False].keys()
+    for k, g in grads[False].items():
+        assert g.dtype == torch.float32 and torch.equal(grads[True][k], g), k
+    # the shared head is left to autocast; a plain Linear's weight is a bf16 copy within
+    inner = m.layers[0].mlp.up_proj
+    with linear_weights_cast_once(m, torch.bfloat16):
+        assert inner.weight.dtype == torch.bfloat16 and m.lm_head.weight.dtype == torch.float32
+    assert inner.weight is params["layers.0.mlp.up_proj.weight"]
