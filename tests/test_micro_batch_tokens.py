@@ -218,8 +218,8 @@ def test_the_cuts_are_the_cheapest_of_every_way_to_cut_the_order():
 def test_a_job_shaped_step_computes_each_prompt_about_once():
     # 8 groups of 8 (prompts of 60 tokens), each with one completion at the 80-token cap and
     # the rest 20-35 tokens, in micro-batches of at most 16 rows and 384 positions (the LM
-    # job's): no whole group fits, yet each group's short rows go together, its long one
-    # beside other groups' long ones
+    # job's before it took 512): no whole group fits, yet each group's short rows go
+    # together, its long one beside other groups' long ones
     lengths = [20 + (3 * i) % 16 if i % 8 else 80 for i in range(64)]
     r, cmask = rollout(lengths, plen=60)
     plan = [b.tolist() for b in row_batches(r.prompt_mask, cmask, 16, 8, budget=384)]
