@@ -227,12 +227,22 @@ def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
     assert [sorted(b) for b in plan] == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
+def bf16_rollout(m, cfg, new_tokens):
+    """Two prompts x 4 rows of `m` sampled under bf16 autocast, and their trajectory."""
+    from mini_grpo.trajectory import Trajectory
+
+    prompts = [[1, 5, 6, 7]] * 4 + [[1, 8, 9]] * 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = generate(m, prompts, new_tokens, 2, 0, temperature=cfg.temperature,
+                     generator=torch.Generator().manual_seed(0))
+    return r, Trajectory.of(r, torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), cfg)
+
+
 def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     """num_iterations > 1: the old log-probs are the first pass's own, not the ones recorded
     while sampling (other kernels, eval mode), so a policy that has not moved is not clipped."""
     from mini_grpo.models import GPT, GPTConfig
     from mini_grpo.trainer import policy_pass
-    from mini_grpo.trajectory import Trajectory
 
     cfg = tiny_config(None, num_iterations=2, use_amp=True, amp_dtype="bfloat16",
                       micro_batch_size=4)
@@ -240,11 +250,7 @@ def test_first_pass_ratio_is_exactly_one_under_autocast_and_dropout():
     m = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32,
                       dropout=0.1))
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    prompts = [[1, 5, 6, 7]] * 4 + [[1, 8, 9]] * 4
-    with bf16():
-        r = generate(m, prompts, 12, 2, 0, temperature=cfg.temperature,
-                     generator=torch.Generator().manual_seed(0))
-    traj = Trajectory.of(r, torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), cfg)
+    r, traj = bf16_rollout(m, cfg, 12)
     traj = traj.replace(ref_logp=torch.zeros(r.completion_ids.shape))
     m.train()
     state = SimpleNamespace(autocast=bf16, backward=torch.Tensor.backward)
@@ -293,7 +299,6 @@ def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpoin
     from mini_grpo.models.llama import Llama, LlamaConfig
     from mini_grpo.precision import linear_weights_cast_once
     from mini_grpo.trainer import policy_pass
-    from mini_grpo.trajectory import Trajectory
 
     cfg = tiny_config(None, use_amp=True, amp_dtype="bfloat16", micro_batch_size=2, beta=0.0,
                       gradient_checkpointing=checkpointing)
@@ -302,11 +307,7 @@ def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpoin
                           n_embd=64, head_dim=16, n_inner=128, tie_word_embeddings=True))
     m.gradient_checkpointing = checkpointing
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    prompts = [[1, 5, 6, 7]] * 4 + [[1, 8, 9]] * 4
-    with bf16():
-        r = generate(m, prompts, 10, 2, 0, temperature=cfg.temperature,
-                     generator=torch.Generator().manual_seed(0))
-    traj = Trajectory.of(r, torch.tensor([0.0, 1, 0.5, 0.2, 1, 0, 0, 0.3]), cfg)
+    _, traj = bf16_rollout(m, cfg, 10)
     assert len(traj.micro_batches()) >= 3
     m.train()
     params = dict(m.named_parameters())
