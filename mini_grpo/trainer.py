@@ -215,34 +215,28 @@ def policy_pass(net, traj: Trajectory, cfg,
     autocast = state.autocast if state is not None else nullcontext
     backward = state.backward if state is not None else torch.Tensor.backward
     stats, olds = StepStats.zeros(traj.num_tokens.device), []
-    with state.cast_once(net) if hasattr(state, "cast_once") else nullcontext():
+    with state.cast_once(net) if state is not None else nullcontext():
         for j, mb in enumerate(batches):
-            stats += _micro_batch(net, mb, olds, settings, traj, world, last=j == len(batches) - 1,
-                                  autocast=autocast, backward=backward)
+            last = j == len(batches) - 1
+            with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
+                with autocast():
+                    logp, ent = mb.logprobs(net, entropy=True)
+                old = logp.detach() if mb.old_logp is None else mb.old_logp
+                olds.append(old)
+                loss, st = grpo_loss(logp, old, mb.adv, mb.loss_mask, settings,
+                                     ref_logp=mb.ref_logp, entropy=ent, num_seqs=traj.num_seqs,
+                                     num_tokens=traj.num_tokens, engine_logp=mb.engine_logp)
+                backward(loss * world)
+            k = mb.loss_mask.sum()
+            pushed, real = mb.positions()
+            pushed, real = torch.tensor([pushed, real], dtype=torch.float32, device=k.device)
+            stats += StepStats(loss=loss.detach(), positions=pushed, real=real,
+                               **{name: v * k for name, v in st._asdict().items()})
         for _ in range(traj.pad):
             with autocast():
                 nothing = batches[-1].logprobs(net).sum() * 0.0
             backward(nothing)
     return stats, traj.old_logp if traj.old_logp is not None else traj.assemble(olds)
-
-
-def _micro_batch(net, mb, olds: list, settings, traj: Trajectory, world: int, last: bool,
-                 autocast, backward) -> StepStats:
-    """One micro-batch's forward and backward; appends its old log-probs to `olds`."""
-    with net.no_sync() if not last and hasattr(net, "no_sync") else nullcontext():
-        with autocast():
-            logp, ent = mb.logprobs(net, entropy=True)
-        old = logp.detach() if mb.old_logp is None else mb.old_logp
-        olds.append(old)
-        loss, st = grpo_loss(logp, old, mb.adv, mb.loss_mask, settings,
-                             ref_logp=mb.ref_logp, entropy=ent, num_seqs=traj.num_seqs,
-                             num_tokens=traj.num_tokens, engine_logp=mb.engine_logp)
-        backward(loss * world)
-    k = mb.loss_mask.sum()
-    pushed, real = mb.positions()
-    pushed, real = torch.tensor([pushed, real], dtype=torch.float32, device=k.device)
-    return StepStats(loss=loss.detach(), positions=pushed, real=real,
-                     **{name: v * k for name, v in st._asdict().items()})
 
 
 def comm_times(comm) -> dict[str, float]:
