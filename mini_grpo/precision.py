@@ -104,18 +104,21 @@ def linear_weights_cast_once(model: torch.nn.Module, dtype: torch.dtype | None):
     belong inside (activation checkpointing forwards again in the backward).
 
     For a plain module only, under autocast in `dtype` (None: a no-op): not DDP-wrapped (its
-    hooks are on the parameters), sharded or compiled. A weight shared with another module
-    (a tied LM head) and a frozen or low-precision one (LoRA's base) are left as they are."""
+    hooks are on the parameters), sharded or compiled. The LM head's weight (tied to the
+    embedding or not: chunked.token_logprobs casts it and sums its gradient in fp32 itself; a
+    bf16 copy would round that sum to bf16), a weight shared between modules and a frozen or
+    low-precision one (LoRA's base) are left as they are."""
     if dtype is None:
         yield
         return
     count: dict[int, int] = {}
     for _, q in model.named_parameters(remove_duplicate=False):
         count[id(q)] = count.get(id(q), 0) + 1
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
     swapped = []
     for mod in model.modules():
         w = mod._parameters.get("weight") if isinstance(mod, torch.nn.Linear) else None
-        if (w is None or not w.requires_grad or w.dtype != torch.float32
+        if (w is None or w is head or not w.requires_grad or w.dtype != torch.float32
                 or count[id(w)] > 1):
             continue
         low = w.detach().to(dtype).requires_grad_()

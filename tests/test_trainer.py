@@ -291,13 +291,13 @@ def test_resume_refuses_what_cannot_work_and_logs_what_changed(tmp_path):
         train(tiny(tmp_path, "g", resume=str(tmp_path / "s" / "sft" / "step_0000002.pt")))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpointing):
+@pytest.mark.parametrize("checkpointing,tied", [(False, True), (True, True), (False, False)])
+def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpointing, tied):
     """precision.linear_weights_cast_once: a pass casts the Linear weights to bf16 once, not
     once a micro-batch, and adds each copy's gradient into the fp32 one as autocast's cast-back
-    and accumulation did: the same gradients, bit for bit, over several micro-batches (the tied
-    head and embedding left to autocast), with activation checkpointing too; afterwards the
-    model holds its own parameters again."""
+    and accumulation did: the same gradients, bit for bit, over several micro-batches, with
+    activation checkpointing too; afterwards the model holds its own parameters again. The LM
+    head, tied or its own, is left to the chunked head's cast (its gradient summed in fp32)."""
     from mini_grpo.models.llama import Llama, LlamaConfig
     from mini_grpo.precision import linear_weights_cast_once
     from mini_grpo.trainer import policy_pass
@@ -306,7 +306,7 @@ def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpoin
                       gradient_checkpointing=checkpointing)
     torch.manual_seed(0)
     m = Llama(LlamaConfig(vocab_size=48, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
-                          n_embd=64, head_dim=16, n_inner=128, tie_word_embeddings=True))
+                          n_embd=64, head_dim=16, n_inner=128, tie_word_embeddings=tied))
     m.gradient_checkpointing = checkpointing
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     _, traj = bf16_rollout(m, cfg, 10)
@@ -326,7 +326,7 @@ def test_weights_cast_once_a_pass_give_autocasts_gradients_bit_for_bit(checkpoin
     assert grads[True].keys() == grads[False].keys()
     for k, g in grads[False].items():
         assert g.dtype == torch.float32 and torch.equal(grads[True][k], g), k
-    # the shared head is left to autocast; a plain Linear's weight is a bf16 copy within
+    # a plain Linear's weight is a bf16 copy within; the head's stays the fp32 Parameter
     inner = m.layers[0].mlp.up_proj
     with linear_weights_cast_once(m, torch.bfloat16):
         assert inner.weight.dtype == torch.bfloat16 and m.lm_head.weight.dtype == torch.float32
