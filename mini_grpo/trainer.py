@@ -182,6 +182,7 @@ class StepStats:
     entropy: torch.Tensor
     engine_diff: torch.Tensor
     engine_kl: torch.Tensor
+    tokens: torch.Tensor  # the tokens with loss the passes carried (the statistics' divisor)
     positions: torch.Tensor  # token positions pushed through the model, padding included
     real: torch.Tensor  # the real tokens among them (each prompt counted once)
 
@@ -230,8 +231,8 @@ def policy_pass(net, traj: Trajectory, cfg,
             k = mb.loss_mask.sum()
             pushed, real = mb.positions()
             pushed, real = torch.tensor([pushed, real], dtype=torch.float32, device=k.device)
-            stats += StepStats(loss=loss.detach(), positions=pushed, real=real,
-                               **{name: v * k for name, v in st._asdict().items()})
+            stats += StepStats(loss=loss.detach(), tokens=k.float(), positions=pushed,
+                               real=real, **{name: v * k for name, v in st._asdict().items()})
         for _ in range(traj.pad):
             with autocast():
                 nothing = batches[-1].logprobs(net).sum() * 0.0
@@ -268,7 +269,7 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
     red = D.reduce_named(sums, {"len_max": lengths.max(), **mem, **late_})
     acc = {f.name: red[f"acc/{f.name}"] for f in fields(stats)}
     iters = cfg.num_iterations
-    tok = traj.num_tokens.item() * iters
+    tok = max(acc["tokens"], 1.0)  # those the passes carried (Trajectory.of's plan)
     n = traj.num_rows.item()
     m = {"reward/mean": traj.reward_mean.item(), "reward/std": traj.reward_std.item(),
          "loss": acc["loss"] / iters, "kl": acc["kl"] / tok, "clip_low": acc["clip_low"] / tok,

@@ -125,7 +125,14 @@ class Trajectory:
         all-reduce, the counts and reward moments of the global batch; the micro-batch plan
         of `cfg` (`model`: the policy, for fsdp's pad). With dynamic_sampling, zero-spread
         groups carry no loss; with mask_truncated, rows cut off at max_new_tokens carry none
-        (their rewards still shape their group's advantages)."""
+        (their rewards still shape their group's advantages).
+
+        With `beta` 0 the plan leaves out the rows of zero advantage (a zero-spread group's):
+        their loss terms are 0 times the ratio, so they add exactly nothing to the loss or its
+        gradient, and a pass over them is work for no update (in the LM job, 62% of the groups
+        on average). They still count in the normalisers (`num_seqs`, `num_tokens`), so the
+        gradient is the one of the whole batch; the pass's statistics (entropy, ratio, clip
+        fractions) are of the rows it carried."""
         G = cfg.group_size
         zero = zero_spread(rewards, G)
         loss_mask = r.completion_mask  # multi-turn: the model's own tokens alone
@@ -144,8 +151,9 @@ class Trajectory:
         mean = s1 / n
         std = (s2 / n - mean**2).clamp(min=0).sqrt()
         adv = group_advantages(rewards, G, cfg.scale_rewards, batch_std=std)
-        plan = tuple(cut(rows, loss_mask, r.prompt_mask, G) for rows in row_batches(
-            r.prompt_mask, loss_mask, cfg.micro_batch_size, G, cfg.micro_batch_tokens))
+        live = loss_mask if cfg.beta else loss_mask & (adv != 0)[:, None]
+        plan = tuple(cut(rows, live, r.prompt_mask, G) for rows in row_batches(
+            r.prompt_mask, live, cfg.micro_batch_size, G, cfg.micro_batch_tokens))
         pad = 0 if model is None else fsdp.pad_passes(model, len(plan), rewards.device)
         nonfinite = r.nonfinite if r.nonfinite is not None else \
             torch.zeros((), dtype=torch.bool, device=rewards.device)

@@ -5,6 +5,7 @@ leaves the gradient as it was (the same sums, in more pieces)."""
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import pytest
 import torch
 from ddp_grad_worker import G, make_batch
 
@@ -14,8 +15,8 @@ from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.models.llama import Llama, LlamaConfig
 from mini_grpo.sft import sft_loss, sft_pass
 from mini_grpo.state import TrainState
-from mini_grpo.trainer import policy_pass
-from mini_grpo.trajectory import Trajectory, plan_micro_batches, row_batches
+from mini_grpo.trainer import policy_pass, step_metrics
+from mini_grpo.trajectory import Trajectory, cut, plan_micro_batches, row_batches
 
 
 def rollout(lengths, plen=3):
@@ -72,6 +73,41 @@ def test_a_budget_leaves_the_policy_gradient_as_it_was():
     assert one == 1 and many > 3
     for a, b in zip(whole, cut):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_of_zero_advantage_are_left_out_of_the_passes_when_beta_is_0():
+    """With beta 0 the rows of a zero-spread group (advantage exactly 0) add nothing to the
+    loss or its gradient: the plan leaves them out, prompts and all, and the gradient is still
+    the whole batch's (the normalisers count them); the step's statistics are of the tokens
+    the passes carried (the ratio of a first pass: exactly 1). With beta > 0 (the KL term
+    has a gradient) every row is carried."""
+    r, rewards, _ = make_batch(seed=3)
+    opts = {"group_size": G, "beta": 0.0, "use_amp": "false", "micro_batch_size": 64}
+    cfg = load_config(None, opts, env={})
+    traj = Trajectory.of(r, rewards, cfg)
+    assert traj.zero_spread.tolist()[0] and not traj.zero_spread[1:].any()
+    B = len(rewards)
+    assert sorted(i for c in traj.plan for i in c.rows.tolist()) == list(range(G, B))
+    every = traj.replace(plan=tuple(cut(rows, traj.loss_mask, r.prompt_mask, G) for rows in
+                                    row_batches(r.prompt_mask, traj.loss_mask, 64, G)))
+    assert sum(len(c.rows) for c in every.plan) == B
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    out = {}
+    for name, t in (("skipped", traj), ("every", every)):
+        model.zero_grad(set_to_none=True)
+        stats, _ = policy_pass(model, t, cfg)
+        out[name] = stats, [p.grad.clone() for p in model.parameters()]
+    (left, g_left), (whole, g_whole) = out["skipped"], out["every"]
+    torch.testing.assert_close(left.loss, whole.loss, rtol=1e-5, atol=1e-7)
+    for a, b in zip(g_left, g_whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert left.tokens == traj.loss_mask[G:].sum() and whole.tokens == traj.loss_mask.sum()
+    assert left.positions < whole.positions
+    m = step_metrics(traj, SimpleNamespace(columns={}, metrics={}), left, cfg, {}, 1.0)
+    assert m["ratio"] == pytest.approx(1.0) and m["clip_low"] == 0.0
+    kl = Trajectory.of(r, rewards, load_config(None, {**opts, "beta": 0.1}, env={}))
+    assert sorted(i for c in kl.plan for i in c.rows.tolist()) == list(range(B))
 
 
 class PlainState:
