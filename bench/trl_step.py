@@ -12,11 +12,12 @@ at most max_new_tokens (48) sampled at the config's temperature (0.7), rewards n
 per_device_train_batch_size 16, gradient_accumulation_steps 4, which makes its generation batch
 64; ours: the rows whose loss has a gradient, in micro-batches of at most 512 positions - with
 beta 0 the rows of a group whose rewards are all equal have advantage 0 and add exactly nothing,
-so no pass carries them, where TRL's passes carry every row), the DAPO loss with the config's clip (0.2/0.28), beta 0 (no reference model), AdamW at the
-config's lr. Both on 2 threads, one process each. `--model` is the weights both start from: the
-base model by default; the job's GRPO stage starts from its SFT stage's weights, which a run
-exports as hf/ (`--model runs/<sft run>/hf`: the answers are then the short worked ones the
-job's GRPO samples, not the base model's long ones).
+so no pass carries them, where TRL's passes carry every row), the DAPO loss with the config's
+clip (0.2/0.28), beta 0 (no reference model), AdamW at the config's lr. Both on 2 threads, one
+process each. `--model` is the weights both start from: the base model by default; the job's
+GRPO stage starts from its SFT stage's weights, which a run exports as hf/ (`--model runs/<sft
+run>/hf`: the answers are then the short worked ones the job's GRPO samples, not the base
+model's long ones).
 
 Ours runs as `benchmark.py --config smollm2_numeric --only step --init_from=<model>` (the
 trainer's own step, its precision from the dtype probe). TRL runs twice, in fp32 and with
