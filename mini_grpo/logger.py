@@ -49,13 +49,10 @@ class RunLogger:
         self.t0, self.first_step = time.perf_counter(), step
 
     def scalars(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
-        row = {"step": step}
-        for k, v in metrics.items():
-            v = float(v)
-            row[prefix + k] = v if math.isfinite(v) else str(v)
+        values = {prefix + k: float(v) for k, v in metrics.items()}
+        row = {"step": step, **{k: v if math.isfinite(v) else str(v) for k, v in values.items()}}
         if self.tb is not None:
-            self._written("tb", self._tb_scalars, step,
-                          {prefix + k: float(v) for k, v in metrics.items()})
+            self._written("tb", self._tb_scalars, step, values)
         if self.wandb is not None:
             stage = prefix.split("/")[0] if prefix in ("sft/", "rft/") else ""
             self.wandb.log({**{k: v for k, v in row.items() if k != "step"},
