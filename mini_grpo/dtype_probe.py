@@ -5,12 +5,13 @@ On a Xeon with AMX bf16 sampling was faster than fp32, on an AMD Zen4 (AVX-512 B
 1.5x slower, so the device type alone cannot decide. A command times only what it runs
 (`parts`: "train" passes and/or "sample"-ing; `mini-grpo sample`, `evaluate` and
 `rft-generate` only sample), and the figures are kept in a small JSON file keyed by what they
-depend on (CPU model, model spec, threads, torch version, what was timed and on which shapes),
-so the next command does not probe again: the probe was 20 s of a 42 s `mini-grpo sample` on
-the SmolLM2-135M shape. A busy machine must not fool it: the dtypes alternate, each figure is
-the median of three rounds, and when the rounds do not all find the same dtype faster (the
-Xeon's first probe, run beside other work, timed in seconds what takes milliseconds) the log
-says so and the verdict is not cached: the next command times again.
+depend on (CPU model and the instruction sets its kernels may use, model spec, threads, torch
+version, what was timed and on which shapes), so the next command does not probe again: the
+probe was 20 s of a 42 s `mini-grpo sample` on the SmolLM2-135M shape. A busy machine must
+not fool it: the dtypes alternate, each figure is the median of three rounds, and when the
+rounds do not all find the same dtype faster (the Xeon's first probe, run beside other work,
+timed in seconds what takes milliseconds) the log says so and the verdict is not cached: the
+next command times again.
 
     $MINI_GRPO_PROBE_CACHE, else $XDG_CACHE_HOME/mini_grpo/probe.json,
     else ~/.cache/mini_grpo/probe.json
@@ -62,6 +63,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# what decides which kernels run beside the model name: a VM's name can be one generic "Intel
+# Xeon Processor" on hosts with and without AMX, and oneDNN's ISA can be capped
+# (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on an AMX Xeon runs the Zen4's kernels)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def cpu_isa() -> dict:
+    """The ISA_FLAGS this CPU has (/proc/cpuinfo; [] elsewhere) and the ISA_ENV caps set."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+        flags = set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return {"flags": [f for f in ISA_FLAGS if f in flags],
+            **{k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}}
+
+
 # bumped when the timed code changes enough to turn a verdict (2: bf16 sampling on
 # prepacked weights, models/packed.py; 3: medians of 3 rounds that agree), so that figures of
 # the old code are not reused
@@ -69,7 +90,8 @@ CODE_VERSION = 3
 
 
 def cache_key(model, parts: tuple[str, ...], shape: dict) -> str:
-    return json.dumps({"code": CODE_VERSION, "cpu": cpu_name(), "family": model.family,
+    return json.dumps({"code": CODE_VERSION, "cpu": cpu_name(), "isa": cpu_isa(),
+                       "family": model.family,
                        "config": asdict(model.cfg),
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "parts": list(parts), **shape}, sort_keys=True)

@@ -48,6 +48,21 @@ def test_second_call_reads_the_cache_and_other_parts_are_timed_apart(cache):
     assert len(calls) == 3
 
 
+def test_a_capped_instruction_set_is_timed_apart(cache, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA on the same CPU runs other kernels (an AMX Xeon capped to
+    AVX512_CORE_BF16 runs the Zen4's): its verdict is not the uncapped one's."""
+    path, calls = cache
+    model, cfg = tiny_gpt(), load_config("tiny", env={})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    dtype_probe.probe_dtypes(model, cfg, ("sample",))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    dtype_probe.probe_dtypes(model, cfg, ("sample",))
+    dtype_probe.probe_dtypes(model, cfg, ("sample",))
+    assert calls == [("sample",)] * 2 and len(json.loads(path.read_text())) == 2
+    assert [json.loads(k)["isa"].get("ONEDNN_MAX_CPU_ISA") for k in
+            json.loads(path.read_text())] == [None, "AVX512_CORE_BF16"]
+
+
 def test_a_corrupt_or_foreign_cache_is_ignored_and_rewritten(cache):
     path, calls = cache
     model, cfg = tiny_gpt(), load_config("tiny", env={})
