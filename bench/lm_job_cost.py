@@ -30,6 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from outfile import claim  # noqa: E402
 
+# environment variables that change the job's kernels, allocator or threads: a run records those
+# it ran under (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on a Xeon runs the Zen4's kernel path)
+ENV_PREFIXES = ("ONEDNN_", "DNNL_", "MKL_", "OMP_", "MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
 # the line that closes each phase, in the order they run
 PHASES = [("eval_before", re.compile(r"^\[eval\] step 0 sampled")),
           ("sft", re.compile(r"^\[sft\] done in")),
@@ -53,6 +57,7 @@ def proc_gib(pid: int, field: str) -> float | None:
 
 def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()) -> dict:
     """Runs the job once (its output passes through) and returns its figures."""
+    env = run_env()  # the user's, before anything of ours runs here
     args = [sys.executable, str(ROOT / "distributed_train.py"), "--config", config,
             f"--out_dir={out_dir}", *extra]
     t0 = time.perf_counter()
@@ -91,7 +96,13 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
               "grpo_median_s": {k: median(f"time/{k}")
                                 for k in ("step", "generate", "reward", "policy", "optimizer")},
               "grpo_rss_gb": [round(r["mem/rss_gb"], 2) for r in steps],
-              "eval": ev}
+              "eval": ev, **env}
+
+
+def run_env() -> dict:
+    """{"env": {...}} with the variables of ENV_PREFIXES set now, or {} where none is."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    return {"env": env} if env else {}
 
 
 def main() -> int:

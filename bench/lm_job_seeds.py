@@ -46,7 +46,8 @@ def row(name: str, seed: int, r: dict) -> dict:
             # between them, where the job evaluates after its SFT or RFT stage too
             **{f"{mode}_{stage}": acc(stage, mode) for stage in ("sft", "rft") if stage in ev
                for mode in ("greedy", "sampled")},
-            "length_after": round(ev["after"]["greedy"]["length"], 1)}
+            "length_after": round(ev["after"]["greedy"]["length"], 1),
+            **({"env": r["env"]} if "env" in r else {})}
 
 
 def table(runs: list[dict]) -> str:

@@ -79,3 +79,17 @@ def test_benchmark_json_refuses_a_users_file_before_measuring(tmp_path):
     assert "notes.json: exists and was not written by this command" in r.stderr
     assert "[bench]" not in r.stderr  # no plan, no probe: refused first
     assert notes.read_text() == '{"mine": 1}\n'
+
+
+def test_a_job_measurement_records_the_kernel_and_allocator_variables_it_ran_under(monkeypatch):
+    import os
+
+    from lm_job_cost import ENV_PREFIXES, run_env
+
+    for k in [k for k in os.environ if k.startswith(ENV_PREFIXES)]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME_OF_NOTHING", "x")
+    assert run_env() == {}  # none set: the row stays as it was
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    assert run_env() == {"env": {"MALLOC_ARENA_MAX": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
