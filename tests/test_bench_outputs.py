@@ -3,6 +3,7 @@ user's file (or an older result without the mark) is refused, naming it, before 
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -82,8 +83,6 @@ def test_benchmark_json_refuses_a_users_file_before_measuring(tmp_path):
 
 
 def test_a_job_measurement_records_the_kernel_and_allocator_variables_it_ran_under(monkeypatch):
-    import os
-
     from lm_job_cost import ENV_PREFIXES, run_env
 
     for k in [k for k in os.environ if k.startswith(ENV_PREFIXES)]:
