@@ -30,9 +30,9 @@ class RunLogger:
         self.console = sys.stdout  # where progress lines go (benchmark.py: stderr)
         self.prefix = ""  # put before each progress line
         self.tb = self.wandb = None
-        if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = self._written("tb", SummaryWriter, str(self.out_dir / "tb"))
+        if "tensorboard" in report_to:  # the event file itself: a step's values go as one event
+            from torch.utils.tensorboard.writer import FileWriter
+            self.tb = self._written("tb", FileWriter, str(self.out_dir / "tb"))
         if "wandb" in report_to:
             self.wandb = _wandb_run(self.out_dir, config)
         self.start_clock(0)
@@ -70,7 +70,7 @@ class RunLogger:
         summary = Summary()
         for tag, v in values.items():
             summary.value.add(tag=tag, simple_value=v)  # in the summary's own arena
-        self.tb._get_file_writer().add_summary(summary, step)
+        self.tb.add_summary(summary, step)
 
     def _append(self, row: dict) -> None:
         self.jsonl.append(json.dumps(row) + "\n")
@@ -86,7 +86,8 @@ class RunLogger:
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.tb is not None:
-            self._written("tb", self.tb.add_text, tag, text, step)
+            from torch.utils.tensorboard.summary import text as text_summary
+            self._written("tb", self.tb.add_summary, text_summary(tag, text), step)
         if self.wandb is not None:
             self.wandb.log({f"text/{tag}": text, "step": step})
 

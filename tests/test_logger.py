@@ -99,7 +99,7 @@ def test_tensorboard_write_errors_are_one_line(tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(log.tb._get_file_writer(), "add_summary", full)
+    monkeypatch.setattr(log.tb, "add_summary", full)
     with pytest.raises(OutputWriteError, match="tb: disk full"):
         log.scalars(1, {"reward": 0.5})
     log.close()
@@ -119,8 +119,12 @@ def test_a_steps_scalars_are_one_tensorboard_event_with_every_value(tmp_path):
     log.scalars(1, {"reward": 0.5, "kl": 0.25})
     log.scalars(2, {"reward": 0.75, "kl": float("nan")})
     log.scalars(2, {"loss": 1.5}, prefix="sft/")
+    log.event(3, "max_minutes: GRPO stops here")  # text, beside the console and the JSONL
     log.close()
-    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0}).Reload()
+    acc = EventAccumulator(str(tmp_path / "tb"),
+                           size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    [text] = acc.Tensors("events/text_summary")
+    assert text.step == 3 and text.tensor_proto.string_val == [b"max_minutes: GRPO stops here"]
     assert sorted(acc.Tags()["scalars"]) == ["kl", "reward", "sft/loss"]
     assert [(e.step, e.value) for e in acc.Scalars("reward")] == [(1, 0.5), (2, 0.75)]
     kl = acc.Scalars("kl")
@@ -128,4 +132,4 @@ def test_a_steps_scalars_are_one_tensorboard_event_with_every_value(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("sft/loss")] == [(2, 1.5)]
     [path] = (tmp_path / "tb").glob("events.out.tfevents.*")
     summaries = [e for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
-    assert [len(e.summary.value) for e in summaries] == [2, 2, 1]
+    assert [len(e.summary.value) for e in summaries] == [2, 2, 1, 1]
