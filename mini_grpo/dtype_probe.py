@@ -52,15 +52,21 @@ def cache_path() -> Path | None:
     return Path(root) / "mini_grpo" / "probe.json"
 
 
-def cpu_name() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The value of /proc/cpuinfo's first `field` line; None off Linux or where none is."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_name() -> str:
+    name = _cpuinfo("model name")
+    return name if name is not None else platform.processor() or platform.machine()
 
 
 # what decides which kernels run beside the model name: a VM's name can be one generic "Intel
@@ -72,13 +78,7 @@ ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 def cpu_isa() -> dict:
     """The ISA_FLAGS this CPU has (/proc/cpuinfo; [] elsewhere) and the ISA_ENV caps set."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("flags")), "")
-        flags = set(line.partition(":")[2].split())
-    except OSError:
-        pass
+    flags = set((_cpuinfo("flags") or "").split())
     return {"flags": [f for f in ISA_FLAGS if f in flags],
             **{k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}}
 
