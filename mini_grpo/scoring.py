@@ -78,6 +78,22 @@ log = logging.getLogger("mini_grpo.scoring")
 
 EXECUTORS = ("serial", "thread", "process")
 POOL_START_TIMEOUT = 120.0  # seconds for worker processes to import the plugins
+# the longest the scorer blocks in one wait: a Ctrl-C whose signal lands after Python's last
+# check and before the wait's blocking call is raised only when that call returns (CI saw a
+# plugin's 20 s sleep pass so), so a wait is cut into slices of this many seconds
+WAIT_SLICE = 0.25
+
+
+def wait_first(pending, timeout: float):
+    """concurrent.futures.wait(pending, timeout, FIRST_COMPLETED)'s done set, waited in slices
+    of WAIT_SLICE seconds: between them Python runs a Ctrl-C that came in."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        done, _ = wait(pending, timeout=max(0.0, min(WAIT_SLICE, left)),
+                       return_when=FIRST_COMPLETED)
+        if done or left <= WAIT_SLICE:
+            return done
 
 
 class RewardError(RuntimeError):
@@ -273,7 +289,7 @@ class RewardScorer:
                     # an async job cancels its own calls at `timeout`: give it time to report
                     slack = any(self.is_async[calls[jobs[futures[f]][0]][0]] for f in pending)
                     limit = self.timeout * (1.5 if slack else 1.0) + (1.0 if slack else 0.0)
-                    done, _ = wait(pending, timeout=limit, return_when=FIRST_COMPLETED)
+                    done = wait_first(pending, limit)
                     if not done:
                         break
                     for f in done:
