@@ -83,6 +83,9 @@ def train(cfg) -> dict:
             limit = time_limit(run, started, eval_s) if run.dist.is_main else None
             state = train_grpo(run, resume, amp, limit)
             amp, last = state.guard.amp, state.current_step
+            # its optimizer (AdamW's moments: twice the weights) is of no more use: freed,
+            # the final evaluation's caches take its place, not pages beside it
+            del state
         weights = fsdp.model_state(run.model)  # for the export (a collective under fsdp)
         with run.rank0_with_weights() as main:  # the final evaluation: the final weights
             if main:
