@@ -99,15 +99,21 @@ def check_gpt_size(cfg) -> None:
 
 
 def _from_checkpoint(path: str, rest: list[str]):
-    """(state, config) of a checkpoint, its stored config checked like a user's; raises
-    ConfigError / CheckpointError."""
+    """(state, config) of a checkpoint, its stored config checked like a user's, under
+    `--config FILE` and `--key=value` from `rest`; raises ConfigError / CheckpointError."""
     from .policy import checkpoint_config
 
-    return checkpoint_config(path, parse_cli(rest)[1])
+    config, overrides = parse_cli(rest)
+    return checkpoint_config(path, overrides, config)
+
+
+# how the commands that take a checkpoint build their config
+OVER_CHECKPOINT = "its stored config, then --config FILE over it, then any field as --key=value"
 
 
 def evaluate_main(argv: list[str]) -> int:
-    ap = ArgParser(prog="mini-grpo evaluate", description="held-out evaluation of a checkpoint")
+    ap = ArgParser(prog="mini-grpo evaluate", description="held-out evaluation of a checkpoint "
+                   "(" + OVER_CHECKPOINT + ")")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--json", help="also write the results here")
     args, rest = ap.parse_known_args(argv)
@@ -140,8 +146,7 @@ EVAL_JSON = "mini-grpo evaluate"  # in the files `evaluate --json` writes: it ma
 
 def sample_main(argv: list[str]) -> int:
     ap = ArgParser(prog="mini-grpo sample",
-                 description="sample completions from a checkpoint (any config field as "
-                             "--key=value)")
+                 description="sample completions from a checkpoint (" + OVER_CHECKPOINT + ")")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--prompt", required=True, action="append",
                     help="prompt text (repeatable), e.g. 'e2e4 e7e5:'")
@@ -228,8 +233,8 @@ def check_sample_args(args) -> None:
 
 def rft_generate_main(argv: list[str]) -> int:
     ap = ArgParser(prog="mini-grpo rft-generate",
-                 description="rejection-sampling data from a checkpoint (any config field "
-                             "as --key=value)")
+                 description="rejection-sampling data from a checkpoint (" + OVER_CHECKPOINT
+                             + ")")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--output", required=True,
                     help="JSONL file to write; an earlier output of this command with the same "

@@ -26,7 +26,8 @@ from .checkpoint import (
     load_checkpoint,
     load_weights,
 )
-from .config import ConfigError, GRPOConfig, load_config
+from .config import ConfigError, GRPOConfig, load_config, resolve_config_path
+from .fields import read_yaml_mapping
 from .lora import LoRAFacts, adapter_keys, apply_lora, load_adapter
 from .models import CausalLM, GPTConfig, build, check_size, model_config
 from .models.gguf import load_gguf
@@ -246,18 +247,22 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
     return spec
 
 
-def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOConfig]:
-    """(state, config) of a checkpoint for `mini-grpo evaluate / sample / rft-generate`.
+def checkpoint_config(path: str, overrides: dict[str, str],
+                      config: str | None = None) -> tuple[dict, GRPOConfig]:
+    """(state, config) of a checkpoint for `mini-grpo evaluate / sample / rft-generate`:
+    the defaults < the checkpoint's stored config < the user's `config` file (--config) <
+    `overrides` (--key=value); for a Hugging Face directory or GGUF file, which stores none,
+    init_from is the path.
 
     The stored config is untrusted input, checked exactly like a user's (unknown keys, bad
     values: CheckpointError naming the key). Reward plugins it names that mini-grpo does not
-    ship are not imported unless the command line names the rewards itself. The model it
-    describes must match the stored weights' shapes before anything is allocated: the
-    comparison runs on the meta device.
+    ship are not imported unless the user names the rewards (command line or config file).
+    The model it describes must match the stored weights' shapes before anything is
+    allocated: the comparison runs on the meta device.
     """
-    if is_pretrained(path):  # a Hugging Face directory or GGUF: the defaults, its model
+    if is_pretrained(path):
         try:
-            return None, load_config(None, {**overrides, "init_from": path}, env={})
+            return None, load_config(config, {**overrides, "init_from": path}, env={})
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
     state = load_checkpoint(path)
@@ -266,10 +271,12 @@ def checkpoint_config(path: str, overrides: dict[str, str]) -> tuple[dict, GRPOC
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (no config)")
     tok = stored_tokenizer(state, path)
     try:
-        cfg = load_config(None, overrides, env={}, base=stored, base_where=f"{path}: ")
+        cfg = load_config(config, overrides, env={}, base=stored, base_where=f"{path}: ")
+        named = {*overrides, *(read_yaml_mapping(resolve_config_path(config)) if config
+                               else ())}
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    if "rewards" not in overrides:
+    if "rewards" not in named:
         foreign = [r["name"] for r in cfg.rewards or [] if r["name"] not in REWARDS]
         if foreign:
             raise CheckpointError(f"{path}: its config names reward plugins mini-grpo does not "

@@ -6,7 +6,7 @@ job's checkpoints crashed sample, export and evaluate with a TypeError)."""
 import json
 
 import pytest
-from conftest import ROOT, tiny
+from conftest import ROOT, tiny, tiny_lm_dir
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
 from mini_grpo.cli import main
@@ -51,3 +51,34 @@ def test_sample_uses_the_checkpoints_temperature_unless_told(tmp_path, monkeypat
     assert main(args) == 0
     assert main([*args, "--temperature", "1.3"]) == 0
     assert seen == [0.7, 1.3]
+
+
+def test_a_config_file_comes_between_the_checkpoint_and_the_command_line(tmp_path, monkeypatch,
+                                                                        capsys):
+    """`--config FILE` on the commands that take a checkpoint: the defaults < the checkpoint's
+    stored config < FILE < --key=value (for a Hugging Face directory, FILE over the defaults,
+    init_from the directory). It was dropped without a word: `sample --config
+    smollm2_calculator` of the calculator job's exported model sampled with no tool."""
+    from mini_grpo import engines
+    from mini_grpo.cli import _from_checkpoint
+
+    out = tmp_path / "run"
+    train(tiny(out, max_steps=1, temperature=0.7))
+    ckpt = str(list_checkpoints(out / "checkpoints")[-1])
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("temperature: 0.9\nnum_eval: 3\ntop_k: 5\n")
+    _, cfg = _from_checkpoint(ckpt, ["--config", str(mine), "--num_eval=2"])
+    assert (cfg.temperature, cfg.top_k, cfg.num_eval) == (0.9, 5, 2)
+    lm = tiny_lm_dir(tmp_path / "lm")
+    state, cfg = _from_checkpoint(str(lm), [f"--config={mine}"])
+    assert state is None and (cfg.init_from, cfg.temperature) == (str(lm), 0.9)
+    seen, of = [], engines.Sampling.of  # the command samples with it
+    monkeypatch.setattr(engines.Sampling, "of", staticmethod(
+        lambda cfg, greedy=False: seen.append(cfg.temperature) or of(cfg, greedy)))
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "e2e4:", "--max_new_tokens", "2",
+                 "--config", str(mine)]) == 0
+    assert seen == [0.9]
+    mine.write_text("temperature: 0.9\ntemprature: 1.0\n")  # a bad key: the file's line
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", ckpt, "--config", str(mine)]) == 2
+    assert f"{mine}:2: " in capsys.readouterr().err

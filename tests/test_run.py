@@ -97,9 +97,18 @@ def test_a_checkpoint_never_imports_a_plugin_only_it_names(checkpoint, tmp_path)
     path = tampered(checkpoint, tmp_path, rewards=[{"name": "evil:fn", "weight": 1.0}])
     line = one_line_exit_2(evaluate_cmd(path, tmp_path))
     assert "evil:fn" in line and "not imported" in line
+    # a config file of the user's that does not name the rewards leaves them the checkpoint's
+    (tmp_path / "mine.yaml").write_text("num_eval: 4\n")
+    line = one_line_exit_2(evaluate_cmd(path, tmp_path, "--config", "mine.yaml"))
+    assert "evil:fn" in line and "not imported" in line
     assert not (tmp_path / "PLUGIN_RAN").exists()
     # named by the user on the command line, it is theirs to run
     r = evaluate_cmd(path, tmp_path, "--rewards=[{name: 'evil:fn'}]", "--num_eval=4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "PLUGIN_RAN").exists()
+    (tmp_path / "PLUGIN_RAN").unlink()  # and so are those their config file names
+    (tmp_path / "mine.yaml").write_text("num_eval: 4\nrewards: [{name: 'evil:fn'}]\n")
+    r = evaluate_cmd(path, tmp_path, "--config", "mine.yaml")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "PLUGIN_RAN").exists()
 
