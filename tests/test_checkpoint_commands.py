@@ -15,7 +15,10 @@ from mini_grpo.job import train
 TASKS = {"chess_fen": {}, "countdown": {},
          "numeric": {"task_args": {"num_train": 64, "kinds": ["add", "word_mul"]},
                      "block_size": 256},
-         "jsonl": {"data_path": str(ROOT / "tests" / "data" / "rows.jsonl"), "num_eval": 2}}
+         "jsonl": {"data_path": str(ROOT / "tests" / "data" / "rows.jsonl"), "num_eval": 2},
+         # a list[float] too; the calculator's tool needs a chat template: the bare answers
+         "calculator": {"task_args": {"num_train": 64, "kinds": ["mul3", "mixed"],
+                                      "weights": [1.5, 1.0]}, "block_size": 256}}
 
 
 @pytest.mark.parametrize("task", TASKS)

@@ -434,9 +434,10 @@ def test_the_calculator_task_s_demonstrations_are_right_and_its_split_is_clean()
         tiny(task="calculator", task_args=json.dumps({"kinds": ["mul3"]}))
 
 
-def test_sft_on_demonstrations_then_grpo_with_tools_runs(tmp_path):
+def test_sft_on_demonstrations_then_grpo_with_tools_runs(tmp_path, capsys):
     """The calculator job's path on a tiny model: SFT on the task's demonstrations (tool
-    tokens unlabelled), then GRPO with the tool."""
+    tokens unlabelled), then GRPO with the tool; sample, evaluate and export take its
+    checkpoint."""
     from conftest import metrics, tiny_lm_dir
 
     from mini_grpo.job import train
@@ -450,6 +451,22 @@ def test_sft_on_demonstrations_then_grpo_with_tools_runs(tmp_path):
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows if "sft/loss" in r] == [1, 2, 3]
     assert [r["step"] for r in rows if "tools/calls" in r] == [1, 2]
+    # the commands take its checkpoint, the tool with it: sample prints the conversation,
+    # evaluate counts the calls, export writes the model
+    from mini_grpo.checkpoint import list_checkpoints
+    from mini_grpo.cli import main
+
+    ckpt = str(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", ckpt, "--prompt", "What is 12 * 34?", "--json",
+                 "--max_new_tokens", "8"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["messages"][0]["role"] == "assistant"
+    assert main(["evaluate", "--checkpoint", ckpt, "--num_eval=4", "--max_new_tokens=8",
+                 "--json", str(tmp_path / "e.json")]) == 0
+    assert "tools/calls" in json.loads((tmp_path / "e.json").read_text())["greedy"]
+    assert main(["export", "--checkpoint", ckpt, "--output", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_a_multi_turn_run_killed_mid_run_resumes_to_the_straight_run_s_weights(tmp_path):
