@@ -174,7 +174,11 @@ def hostile(fmt: str) -> dict[str, str]:
             "deep_objects": wrap('{"name": "x", "arguments": ' + '{"a":' * 10_000 + "1" +
                                  "}" * 10_001),
             "many": sep.join([wrap(json.dumps(ADD))] * 10_000),
-            "unknown": wrap('{"name": "shell", "arguments": {"cmd": "rm -rf /"}}')}
+            "unknown": wrap('{"name": "shell", "arguments": {"cmd": "rm -rf /"}}'),
+            # runs of spaces where a reader might try each split of them (Mistral's named
+            # form, an optional id between two runs: 16,000 spaces took 5 s, quadratic)
+            "spaces": "[TOOL_CALLS]calc[CALL_ID]" + " " * 200_000 + "x" if fmt == "mistral"
+            else wrap('{"name":' + " " * 200_000 + "x")}
 
 
 @pytest.mark.parametrize("fmt", CALL_FORMATS)
@@ -194,6 +198,8 @@ def test_hostile_replies_are_bounded_and_never_raise(fmt):
     assert unknown == [ToolCall("shell", {"cmd": "rm -rf /"})]  # a name: run_call refuses it
     assert run_call({"calculator": calculator}, unknown[0]) == \
         "error: unknown tool 'shell' (tools: calculator)"
+    spaces = parse_tool_calls(texts["spaces"], fmt)
+    assert len(spaces) == 1 and spaces[0].error and not spaces[0].name
     assert time.process_time() - t0 < 20  # a bound for a hang, not a timing
 
 
