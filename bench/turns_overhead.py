@@ -55,7 +55,7 @@ def main() -> None:
     tok.configure_chat("auto", "")
     model = load_hf_model(args.model)
     prompts = [q for q in QUESTIONS for _ in range(args.group)]
-    setup = ToolSetup(lambda: ToolEnv({}), 4, 10.0, 2)
+    setup = ToolSetup(lambda: ToolEnv({}), 4, 10.0)
     times: dict[str, list[float]] = {"single_turn": [], "turn_loop": []}
     tokens = {}
     for rep in range(args.reps + 1):  # the first round warms up, not counted

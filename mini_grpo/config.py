@@ -141,7 +141,7 @@ class GRPOConfig:
     # prompt; [] = single-turn
     tools: list = opt([], "sft rft_data resume")
     max_tool_calls: int = opt(4, "rft_data grpo", "1..64")  # rounds of calls answered per row
-    tool_timeout: float = opt(10.0, "grpo", "(0, 86400]")  # seconds for one turn's calls
+    tool_timeout: float = opt(10.0, "grpo", "(0, 86400]")  # seconds per call, per env step
     tool_output_chars: int = opt(2000, "rft_data grpo", "1..1048576")  # a result's length cap
     # a class whose instances answer each turn of one row (package.module:Class: envs.py's
     # reset / step); "" = the tool loop of `tools`

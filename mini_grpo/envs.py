@@ -16,10 +16,13 @@ whatever an environment says.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .fields import ConfigError, show
+from .threads import DaemonThreadPool
 from .tool_calls import CALL_FORMATS, parse_tool_calls
 from .tools import MAX_OUTPUT_CHARS, run_call
 
@@ -44,17 +47,63 @@ class Environment(Protocol):
         ...
 
 
+class EnvError(ConfigError):
+    """An environment broke its contract (what reset or step returned, a reward part): the
+    run stops with one line naming it, as for a reward plugin's."""
+
+
+def env_name(env) -> str:
+    return f"{type(env).__module__}:{type(env).__qualname__}"
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """`messages` as an environment must give them: a list of dicts with a string `role` and
+    `content` (other keys pass to the chat template); EnvError naming `where` if not."""
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise EnvError(f"{where}: messages must be a list of {{'role': str, 'content': str}} "
+                       f"dicts, got {show(messages)}")
+    return messages
+
+
+def checked_step(step, env) -> Step:
+    """What environment `env`'s step() returned, checked: a Step of messages, a bool `done`,
+    reward parts that are finite numbers within +-1e12, counts >= 0 (EnvError if not)."""
+    where = f"environment {env_name(env)}: step()"
+    if not isinstance(step, Step):
+        raise EnvError(f"{where} returned {show(step)}, not a mini_grpo.envs.Step")
+    check_messages(step.messages, where)
+    if not isinstance(step.done, bool):
+        raise EnvError(f"{where}: done must be True or False, got {show(step.done)}")
+    if not isinstance(step.rewards, dict):
+        raise EnvError(f"{where}: rewards must be a dict of reward parts, got "
+                       f"{show(step.rewards)}")
+    for name, v in step.rewards.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= 1e12:
+            raise EnvError(f"{where}: reward part {show(name)} is {show(v)}; each must be a "
+                           f"finite number within +-1e12")
+    for name in ("calls", "failed"):
+        v = getattr(step, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise EnvError(f"{where}: {name} must be an int >= 0, got {show(v)}")
+    return step
+
+
 class ToolEnv:
     """The tool loop as an environment: a turn with calls gets each call's result as a
     `tool` message (an unreadable call, an unknown tool, bad arguments or the tool's
     exception: `error: ...`); a turn without calls ends the conversation. The calls are read
-    in `call_format`, the model's own (the tokenizer's call_format: tool_calls.py)."""
+    in `call_format`, the model's own (the tokenizer's call_format: tool_calls.py). With a
+    `timeout`, a turn's calls run at once, each in a daemon thread, and one that has not
+    answered within it is answered `error: no answer within ...`; the others keep theirs."""
 
     def __init__(self, tools: dict[str, Callable], max_chars: int = MAX_OUTPUT_CHARS,
-                 call_format: str = "hermes"):
+                 call_format: str = "hermes", timeout: float | None = None):
         if call_format not in CALL_FORMATS:
             raise ValueError(f"call_format {call_format!r}: one of {', '.join(CALL_FORMATS)}")
         self.tools, self.max_chars, self.call_format = tools, max_chars, call_format
+        self.timeout = timeout
 
     def reset(self, example) -> list[dict] | None:
         return None
@@ -63,8 +112,19 @@ class ToolEnv:
         calls = parse_tool_calls(reply, self.call_format)
         if not calls:
             return Step([], done=True)
-        answers = [run_call(self.tools, c, self.max_chars) for c in calls]
+        if self.timeout is None:
+            answers = [run_call(self.tools, c, self.max_chars) for c in calls]
+        else:
+            pool = DaemonThreadPool(len(calls))
+            futures = [pool.submit(run_call, self.tools, c, self.max_chars) for c in calls]
+            cf.wait(futures, timeout=self.timeout)
+            pool.shutdown(wait=False)
+            answers = [f.result() if f.done() else no_answer(self.timeout) for f in futures]
         messages = [{"role": "tool", "name": c.name, "content": a}
                     for c, a in zip(calls, answers)]
         failed = sum(a.startswith("error:") for a in answers)
         return Step(messages, done=False, calls=len(calls), failed=failed)
+
+
+def no_answer(timeout: float) -> str:
+    return f"error: no answer within {timeout:g} s (tool_timeout)"

@@ -263,7 +263,7 @@ def test_hostile_turns_come_back_as_error_messages_and_stay_bounded(tmp_path):
     """What a model may write at its worst, through the whole turn: parsed, run, answered,
     rendered; nothing raises, nothing runs, every answer is short."""
     ours, _ = tokenizers(tmp_path, QWEN25)
-    setup = ToolSetup(lambda: ToolEnv(resolve_tools(["calculator"]), 200), 4, 10.0, 2)
+    setup = ToolSetup(lambda: ToolEnv(resolve_tools(["calculator"]), 200), 4, 10.0)
     hostile = {
         "huge": None,  # a call of 10 MB, below
         "deep": "<tool_call>" + "[" * 10_000 + "]" * 10_000 + "</tool_call>",
@@ -311,12 +311,14 @@ def test_a_slow_or_failing_environment_answers_with_an_error_and_the_cap_ends_ro
                 raise RuntimeError("the environment broke\nsecond line")
             return Step([{"role": "tool", "content": "ok"}], done=False, calls=1)
 
-    turns = Turns(ToolSetup(Slow, 1, 0.5, 2), ours, ["a", "b", "c"])
+    turns = Turns(ToolSetup(Slow, 1, 0.5), ours, ["a", "b", "c"])
     first = turns.end_turn([0, 1, 2], [ours.encode(t) + [ours.eos_id]
                                        for t in ("slow", "boom", "fine")])
     answers = [talk[-1]["content"] for talk in turns.conversations()]
     assert answers[0] == "error: no answer within 0.5 s (tool_timeout)"
     assert answers[1] == "error: the environment broke" and answers[2] == "ok"
+    # an environment's errors come in the user's role: every chat template takes it
+    assert [talk[-1]["role"] for talk in turns.conversations()] == ["user", "user", "tool"]
     assert all(ids is not None for ids in first)
     again = turns.end_turn([2], [ours.encode("fine") + [ours.eos_id]])  # max_rounds 1: capped
     assert again == [None] and turns.counts[2].tolist() == [2, 0, 1, 1]
@@ -324,6 +326,134 @@ def test_a_slow_or_failing_environment_answers_with_an_error_and_the_cap_ends_ro
     turns.unanswered(0)  # its answer did not fit: it never reached the model
     assert [m["role"] for m in turns.conversations()[0]] == ["assistant"]
     assert turns.counts[0, 2] == 0
+
+
+def test_each_step_has_its_own_timeout_and_a_hung_one_is_never_stepped_again(tmp_path):
+    """The rows whose turns ended together step at once, a thread each: tool_timeout counts
+    from a step's own start (with a pool of num_reward_workers, 2, steps queued behind the
+    first two were answered "no answer" without running). A step that has not returned is
+    not called again on its environment: its row ends at its next turn."""
+    import threading
+
+    ours, _ = tokenizers(tmp_path, CHATML)
+    release, entered = threading.Event(), []
+
+    class Env:
+        def reset(self, example):
+            return None
+
+        def step(self, reply):
+            entered.append(reply)
+            if reply == "hang":
+                release.wait(60)
+            else:
+                time.sleep(0.3)
+            return Step([{"role": "user", "content": "ok"}], done=False)
+
+    turns = Turns(ToolSetup(Env, 4, 2.0), ours, ["q"] * 9)
+    try:
+        nxt = turns.end_turn(list(range(9)), [ours.encode(t) + [ours.eos_id]
+                                              for t in ["hang"] + ["fine"] * 8])
+        answers = [talk[-1]["content"] for talk in turns.conversations()]
+        assert answers == ["error: no answer within 2 s (tool_timeout)"] + ["ok"] * 8
+        assert all(ids is not None for ids in nxt)
+        again = turns.end_turn([0, 1], [ours.encode("more") + [ours.eos_id]] * 2)
+        assert again[0] is None and again[1] is not None  # row 0's step still runs: it ends
+        assert entered.count("more") == 1 and len(entered) == 10
+    finally:
+        release.set()
+
+
+def test_a_turn_s_calls_each_get_the_timeout_and_the_answers_that_came_are_kept():
+    """Three calls in one turn, one of them slow: the two that answered keep their results,
+    the slow one is answered "no answer"; three calls counted, one failed (the whole turn's
+    step timed out before, and its answers were lost: one call, one failed)."""
+    import threading
+
+    release = threading.Event()
+
+    def slow(x: int) -> int:
+        """Returns x, slowly.
+
+        Args:
+            x: a number
+        """
+        release.wait(60)
+        return x
+
+    env = ToolEnv({"calculator": calculator, "slow": slow}, timeout=0.5)
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+    try:
+        st = env.step(call.format("calculator", '{"expression": "2+3"}') +
+                      call.format("slow", '{"x": 1}') +
+                      call.format("calculator", '{"expression": "6*7"}'))
+    finally:
+        release.set()
+    assert [m["content"] for m in st.messages] == [
+        "5", "error: no answer within 0.5 s (tool_timeout)", "42"]
+    assert (st.calls, st.failed, st.done) == (3, 1, False)
+
+
+_HANG = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_turns import tokenizers
+from conftest import CHATML
+from pathlib import Path
+from mini_grpo.engines.turns import ToolSetup, Turns
+from mini_grpo.envs import Step
+class Env:
+    def reset(self, example):
+        return None
+    def step(self, reply):
+        time.sleep(3600)
+ours, _ = tokenizers(Path(sys.argv[2]), CHATML)
+turns = Turns(ToolSetup(Env, 4, 0.2), ours, ["q"])
+print(turns.end_turn([0], [ours.encode("hi") + [ours.eos_id]]) != [None])
+"""
+
+
+def test_a_step_that_never_returns_does_not_keep_the_process_alive(tmp_path):
+    """Its thread is a daemon: the process exits when its work is done (a ThreadPoolExecutor's
+    thread is joined at exit, so a hung step kept `mini-grpo` from ever exiting)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _HANG, os.path.dirname(__file__), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (None, "step() returned None, not a mini_grpo.envs.Step"),
+    ({"messages": []}, "step() returned {'messages': []}, not a mini_grpo.envs.Step"),
+    (Step("higher", done=False), "messages must be a list of"),
+    (Step([{"role": "user", "content": 3}], done=False), "messages must be a list of"),
+    (Step([{"content": "x"}], done=False), "messages must be a list of"),
+    (Step([], done="no"), "done must be True or False, got 'no'"),
+    (Step([], done=True, rewards=None), "rewards must be a dict of reward parts, got None"),
+    (Step([], done=True, rewards={"won": float("nan")}), "reward part 'won' is nan"),
+    (Step([], done=True, calls=-1), "calls must be an int >= 0, got -1"),
+    ("reset", "reset(): messages must be a list of"),
+])
+def test_what_an_environment_returns_is_checked_and_the_error_names_it(tmp_path, bad, needle):
+    from mini_grpo.envs import EnvError
+
+    ours, _ = tokenizers(tmp_path, CHATML)
+
+    class Broken:
+        def reset(self, example):
+            return {"role": "user"} if bad == "reset" else None
+
+        def step(self, reply):
+            return bad
+
+    with pytest.raises(EnvError) as e:
+        turns = Turns(ToolSetup(Broken, 4, 10.0, rewards=True), ours, ["q"])
+        turns.end_turn([0], [ours.encode("hi") + [ours.eos_id]])
+    assert str(e.value).startswith("environment test_turns:") and ".Broken: " in str(e.value)
+    assert needle in str(e.value), str(e.value)
 
 
 def test_tool_metrics_and_messages_reach_the_run(tmp_path):

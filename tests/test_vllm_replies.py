@@ -170,7 +170,7 @@ def test_a_multi_turn_round_s_reply_is_held_to_each_row_s_own_budget(policy, ser
     replies["/health"] = health(policy)
     model, tok = policy
     eng = ServerEngine(tiny(None, vllm_server_url=url), model, tok, torch.device("cpu"), 0,
-                       ToolSetup(Nudge, max_rounds=2, timeout=5, workers=1))
+                       ToolSetup(Nudge, max_rounds=2, timeout=5))
     asked = []
 
     def generate(handler, extra=0):

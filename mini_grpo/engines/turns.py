@@ -9,9 +9,12 @@ An engine samples a row until its turn ends (an EOS token), hands the turn's ids
 `end_turn`, and appends the ids it returns (the environment's messages as the chat template
 renders them, and the generation prompt) as tokens the model did not write: attended to,
 never trained on. None ends the row: its environment said so (a turn without tool calls),
-or it used its max_tool_calls rounds. Environments step in a thread pool, the rows whose
-turns ended together at once; one that does not answer within tool_timeout seconds, or
-raises, answers `error: ...` (its thread is left to finish on its own).
+or it used its max_tool_calls rounds. The environments of the rows whose turns ended
+together step at once, each in a daemon thread of its own (tool_timeout counts from its own
+start; a step that never returns keeps no process alive). One that does not answer within
+tool_timeout seconds, or raises, answers `error: ...`, and its thread is left to finish on
+its own: that environment is not stepped again while it runs (its row ends at its next
+turn). What an environment returns is checked (envs.checked_step: EnvError names it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from ..conversation import continuation
-from ..envs import Environment, Step, ToolEnv
+from ..envs import Environment, Step, ToolEnv, check_messages, checked_step, env_name, no_answer
+from ..threads import DaemonThreadPool
+
+TOOL_LOOP_GRACE = 5.0  # s past tool_timeout for the tool loop's step, which bounds its calls
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,6 @@ class ToolSetup:
     env: Callable[[], Environment]  # a fresh environment for one row
     max_rounds: int  # the most answered turns per row (max_tool_calls)
     timeout: float  # seconds for one environment step (tool_timeout)
-    workers: int  # environment steps at once
     rewards: bool = False  # the environment's reward parts count (a user's environment)
     tool_loop: bool = False  # env(call_format): ToolEnv, reading calls in the model's format
 
@@ -41,14 +46,14 @@ class ToolSetup:
         """The config's environment, or its tools' loop (ToolEnv); None: single-turn."""
         if cfg.environment:
             return cls(environment_class(cfg.environment), cfg.max_tool_calls,
-                       cfg.tool_timeout, cfg.num_reward_workers, rewards=True)
+                       cfg.tool_timeout, rewards=True)
         if not cfg.tools:
             return None
         from ..tools import resolve_tools
 
-        tools, chars = resolve_tools(cfg.tools), cfg.tool_output_chars
-        return cls(lambda fmt: ToolEnv(tools, chars, fmt), cfg.max_tool_calls,
-                   cfg.tool_timeout, cfg.num_reward_workers, tool_loop=True)
+        tools, chars, timeout = resolve_tools(cfg.tools), cfg.tool_output_chars, cfg.tool_timeout
+        return cls(lambda fmt: ToolEnv(tools, chars, fmt, timeout), cfg.max_tool_calls,
+                   timeout, tool_loop=True)
 
 
 def environment_class(name: str) -> Callable[[], Environment]:
@@ -76,10 +81,15 @@ class Turns:
         for h, env, p in zip(self.history, self.envs, prompts):
             first = env.reset(p)
             if first is not None:
+                if not isinstance(first, str):  # a text is the prompt's one user message
+                    check_messages(first, f"environment {env_name(env)}: reset()")
                 h[:] = tok.messages_of(first)
         self.start = [len(h) for h in self.history]  # where each row's own turns begin
         self.counts = torch.zeros(len(prompts), 4)  # calls, failed calls, rounds, capped
         self.rewards = torch.zeros(len(prompts), dtype=torch.float64)  # reward parts, summed
+        self.running: dict[int, cf.Future] = {}  # rows whose step timed out, and that step
+        # the tool loop bounds each call itself (ToolEnv's timeout), keeping the others' answers
+        self.deadline = setup.timeout + (TOOL_LOOP_GRACE if setup.tool_loop else 0.0)
 
     def prompt_ids(self) -> list[list[int]]:
         return [self.tok.encode(self.tok.render(h)) for h in self.history]
@@ -95,7 +105,7 @@ class Turns:
             c = self.counts[g]
             c[0] += st.calls
             c[1] += st.failed
-            self.rewards[g] += _reward_sum(st.rewards)
+            self.rewards[g] += sum(map(float, st.rewards.values()))
             if st.done or not st.messages:
                 out.append(None)
             elif c[2] >= self.setup.max_rounds:
@@ -124,23 +134,35 @@ class Turns:
         self.history[row].append({"role": "assistant", "content": self.tok.decode(ids)})
 
     def _steps(self, rows: list[int], texts: list[str]) -> list[Step]:
-        pool = cf.ThreadPoolExecutor(max_workers=max(1, min(self.setup.workers, len(rows))))
+        """Each row's environment steps on its turn, all at once (module docstring); a row
+        whose earlier step still runs ends instead."""
+        free = [g not in self.running or self.running.pop(g).done() for g in rows]
+        pool = DaemonThreadPool(sum(free))
+        futures = [pool.submit(self.envs[g].step, t) if ok else None
+                   for g, t, ok in zip(rows, texts, free)]
         try:
-            futures = [pool.submit(self.envs[g].step, t) for g, t in zip(rows, texts)]
-            cf.wait(futures, timeout=self.setup.timeout)
-            return [self._result(f) for f in futures]
+            cf.wait([f for f in futures if f is not None], timeout=self.deadline)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=False)  # threads still in a step exit when it returns
+        out = []
+        for g, f in zip(rows, futures):
+            if f is not None and not f.done():
+                self.running[g] = f
+            out.append(Step([], done=True) if f is None else self._result(g, f))
+        return out
 
-    def _result(self, f: cf.Future) -> Step:
+    def _result(self, g: int, f: cf.Future) -> Step:
         if not f.done():
-            why = f"no answer within {self.setup.timeout:g} s (tool_timeout)"
+            why = no_answer(self.setup.timeout).removeprefix("error: ")
         elif f.exception() is not None:
             lines = str(f.exception()).strip().splitlines()
             why = lines[0] if lines else type(f.exception()).__name__
         else:
-            return f.result()
-        return Step([{"role": "tool", "content": f"error: {why}"}], done=False, calls=1,
+            return checked_step(f.result(), self.envs[g])
+        # the tool loop's answers are tool messages; an environment's error comes as the
+        # user's (every chat template takes that role; not every one takes `tool`)
+        role = "tool" if self.setup.tool_loop else "user"
+        return Step([{"role": role, "content": f"error: {why}"}], done=False, calls=1,
                     failed=1)
 
     def conversations(self) -> list[list[dict]]:
@@ -152,14 +174,3 @@ class Turns:
         return [next((m["content"] for m in reversed(h[s:]) if m["role"] == "assistant"), "")
                 for h, s in zip(self.history, self.start)]
 
-
-def _reward_sum(parts) -> float:
-    """A step's reward parts, summed; each must be a finite number (a ValueError names the
-    bad one: an environment's bug ends the run, as a reward plugin's would)."""
-    total = 0.0
-    for name, v in dict(parts).items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= 1e12:
-            raise ValueError(f"environment: a step's reward part {str(name)[:40]!r} is "
-                             f"{str(v)[:40]!r}; each must be a finite number within +-1e12")
-        total += float(v)
-    return total
