@@ -44,6 +44,18 @@ def continuation(tok: HFTokenizer, conversation: list[dict], appended: list[dict
     return tok.encode(closing + after[len(before):])
 
 
+def check_tool_answer(tok: HFTokenizer) -> None:
+    """A tool's answer after a model's turn, rendered as a rollout's first one will be: a
+    chat template that refuses it (one with no `tool` role, as Gemma's) is a
+    ChatTemplateError at set-up, not at the model's first call, minutes into the run."""
+    try:
+        continuation(tok, [*tok.messages_of("?"), {"role": "assistant", "content": "?"}],
+                     [{"role": "tool", "name": "tool", "content": "1"}], None)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"tools: a tool's answer cannot follow the model's turn: {e}") \
+            from None
+
+
 def _mistral_ids(turn: list[dict], appended: list[dict]) -> tuple[list[dict], list[dict]]:
     """`turn` and `appended` as Mistral's templates take them: each tool message with a
     `tool_call_id` of 9 letters or digits (its own, or its place in the conversation), and

@@ -27,6 +27,7 @@ from .checkpoint import (
     load_weights,
 )
 from .config import ConfigError, GRPOConfig, load_config, resolve_config_path
+from .conversation import check_tool_answer
 from .fields import read_yaml_mapping
 from .lora import LoRAFacts, adapter_keys, apply_lora, load_adapter
 from .models import CausalLM, GPTConfig, build, check_size, model_config
@@ -137,6 +138,8 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
         tok.configure_chat(cfg.chat_template, cfg.system_prompt, tool_schemas(cfg.tools))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.tools:
+        check_tool_answer(tok)
     if cfg.block_size > model.cfg.block_size:
         raise ConfigError(f"block_size: {cfg.block_size} exceeds the model's longest "
                           f"sequence ({model.cfg.block_size})")

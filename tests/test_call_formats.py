@@ -243,6 +243,26 @@ def test_the_tokenizer_reads_calls_in_its_template_s_format(template, specials, 
     assert CharTokenizer("abc").call_format == "hermes"
 
 
+def test_a_template_that_takes_no_tool_answer_is_refused_at_set_up():
+    """Tools on a template whose roles are system, user and assistant only (Gemma's): the
+    run was refused at the model's first call, minutes in; now at set-up. Each family's
+    template takes the answer."""
+    from mini_grpo.chat_template import ChatTemplateError
+    from mini_grpo.conversation import check_tool_answer
+
+    for template, specials in [(LLAMA31, LLAMA_TOKENS), (MISTRAL_V3, MISTRAL_TOKENS),
+                               (MISTRAL_2025, MISTRAL_TOKENS), (CHATML, CHATML_TOKENS)]:
+        check_tool_answer(tokenizer(template, specials))
+    strict = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] "
+              "%}{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
+              "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+              "{% endif %}")
+    with pytest.raises(ChatTemplateError, match="tools: a tool's answer cannot follow the "
+                       "model's turn: .*Conversation roles must be user/assistant"):
+        check_tool_answer(tokenizer(strict, CHATML_TOKENS))
+
+
 def test_the_decoded_reply_keeps_the_special_tokens_calls_are_written_with():
     reply = '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "2+2"}}]'
     tok = tokenizer(MISTRAL_2025, MISTRAL_TOKENS)
