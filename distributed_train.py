@@ -12,7 +12,7 @@ Exit codes: 0 ok, 2 bad input (one line on stderr), 1 any other failure.
 import os
 import sys
 
-from mini_grpo.cli import train_main
+from mini_grpo.cli import leave, train_main
 
 
 def main() -> int:
@@ -22,14 +22,7 @@ def main() -> int:
     # ("Root Cause ... rank: N ... <the exception>") when a rank fails
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    code = record(train_main)(sys.argv[1:])
-    # The run is over and its files are written (the process group torn down): leave without
-    # interpreter finalization, where destroying what still refers to the process group
-    # aborted a finished rank once ("terminate called without an active exception", SIGABRT,
-    # no Python frame), failing the whole launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(record(train_main)(sys.argv[1:]))
 
 
 if __name__ == "__main__":

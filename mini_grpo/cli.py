@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import sys
+from typing import NoReturn
 
 import yaml
 
@@ -36,6 +37,19 @@ def _fail(e: Exception, code: int = 2) -> int:
     its last line is in the first already)."""
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     return code
+
+
+def leave(code: int) -> NoReturn:
+    """Exits with `code`. A rank under torchrun, its work done and written (the process group
+    torn down), leaves without interpreter finalization: destroying what still refers to the
+    process group there aborted finished ranks ("terminate called without an active
+    exception", SIGABRT, no Python frame; distributed_train.py once, `python -m mini_grpo
+    rft-generate` once), failing the whole launch."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _guarded(fn) -> int:

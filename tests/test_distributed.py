@@ -128,3 +128,29 @@ def test_the_comm_timer_splits_a_step_at_its_mark():
     timer.stop(token)
     before, after = timer.pop()
     assert before > 0 and after == 0.0
+
+
+_FINALIZED = """
+import atexit, runpy, sys
+atexit.register(lambda: print("finalized", flush=True))
+runpy.run_module("mini_grpo", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("entry", ["module", "script"])
+def test_a_rank_under_torchrun_leaves_without_interpreter_finalization(tmp_path, entry):
+    """`python -m mini_grpo ...` and distributed_train.py, as a rank under torchrun
+    (TORCHELASTIC_RUN_ID set), exit with their code but skip finalization, where a finished
+    rank aborted in CI (SIGABRT: distributed_train.py once, rft-generate under torchrun
+    once); run plainly, they finalize as usual."""
+    code = _FINALIZED if entry == "module" else _FINALIZED.replace(
+        'runpy.run_module("mini_grpo", run_name="__main__", alter_sys=True)',
+        f'runpy.run_path({str(ROOT / "distributed_train.py")!r}, run_name="__main__")')
+    args = ["evaluate", "--checkpoint", str(tmp_path / "none.pt")] if entry == "module" \
+        else ["--config", "tiny", "--lr=fast"]
+    for rank, finalized in ((True, False), (False, True)):
+        env = clean_env(**({"TORCHELASTIC_RUN_ID": "test"} if rank else {}))
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=120)
+        assert r.returncode == 2 and "error:" in r.stderr, r.stderr[-2000:]
+        assert ("finalized" in r.stdout) == finalized, (rank, r.stdout)
