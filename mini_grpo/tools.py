@@ -26,7 +26,10 @@ import inspect
 import json
 import math
 import operator
+import os
 import re
+import signal
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -275,7 +278,7 @@ def run_call(tools: dict[str, Callable], call: ToolCall,
     """The message that answers `call`: the tool's result as text, cut to `max_chars`, or
     `error: ...` for a call that could not be read, an unknown tool, bad arguments or an
     exception in the tool (any Exception; Ctrl-C still stops the run). An `async def` tool
-    is awaited."""
+    is awaited on the process's one loop for tools (_tool_loop)."""
     try:
         if call.error:
             raise ToolError(call.error)
@@ -285,7 +288,7 @@ def run_call(tools: dict[str, Callable], call: ToolCall,
         check_arguments(_schema(fn), call.arguments)
         out = fn(**call.arguments)
         if inspect.isawaitable(out):
-            out = asyncio.run(_awaited(out))
+            out = asyncio.run_coroutine_threadsafe(_awaited(out), _tool_loop()).result()
         text = out if isinstance(out, str) else json.dumps(out, default=str)
     except Exception as e:  # the model's call, or the tool, failed: the model is told
         lines = str(e).strip().splitlines()
@@ -297,3 +300,28 @@ def run_call(tools: dict[str, Callable], call: ToolCall,
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process that runs it, it)
+_LOOP_LOCK = threading.Lock()
+
+
+def _tool_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every `async def` tool of this process runs on, in a daemon thread
+    of its own: what a tool keeps between calls (a client session, a lock) stays bound to
+    the loop it was made on (a loop a call, asyncio.run's, failed such a tool from its
+    second call). A forked process starts its own."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=_run_forever, args=(loop,), name="tools-async",
+                             daemon=True).start()
+            _LOOP = (os.getpid(), loop)
+        return _LOOP[1]
+
+
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    if hasattr(signal, "pthread_sigmask"):  # Ctrl-C goes to the main thread (threads.py)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    loop.run_forever()

@@ -48,6 +48,26 @@ async def slow_echo(text: str) -> str:
     return text
 
 
+_CLIENT = []  # what `client_echo` makes on its first call: the event loop it runs on
+
+
+async def client_echo(text: str) -> str:
+    """Echoes its text through a client it keeps between calls, which (as aiohttp's
+    ClientSession) works on the event loop it was made on only.
+
+    Args:
+        text: what to echo
+    """
+    import asyncio
+
+    if not _CLIENT:
+        _CLIENT.append(asyncio.get_running_loop())
+    if _CLIENT[0] is not asyncio.get_running_loop():
+        raise RuntimeError("the client is bound to a different event loop")
+    await asyncio.sleep(0)
+    return text
+
+
 def broken(x: int) -> str:
     """Always fails.
 
@@ -210,5 +230,12 @@ def test_every_failure_is_the_tools_message():
     assert answer(call("echo", text="hi")) == ["hi"]  # an async def tool, awaited
     assert answer("<tool_call>{oops}</tool_call>") == ["error: cannot read the call: not valid "
                                                       "JSON"]
+    # what an async tool keeps between calls stays bound to the loop every call runs on (a
+    # loop a call, asyncio.run's, failed this from the second call), from any thread
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda i: run_call({"client_echo": client_echo}, ToolCall(
+            "client_echo", {"text": str(i)})), range(4))) == ["0", "1", "2", "3"]
     long = run_call(tools, ToolCall("echo", {"text": "x" * 5000}), max_chars=100)
     assert long == "x" * 100 + " ... (cut at 100 characters)"
