@@ -24,7 +24,7 @@ from typing import Protocol
 from .fields import ConfigError, show
 from .threads import DaemonThreadPool
 from .tool_calls import CALL_FORMATS, parse_tool_calls
-from .tools import MAX_OUTPUT_CHARS, run_call
+from .tools import MAX_OUTPUT_CHARS, no_answer, run_call
 
 
 @dataclass
@@ -116,7 +116,8 @@ class ToolEnv:
             answers = [run_call(self.tools, c, self.max_chars) for c in calls]
         else:
             pool = DaemonThreadPool(len(calls))
-            futures = [pool.submit(run_call, self.tools, c, self.max_chars) for c in calls]
+            futures = [pool.submit(run_call, self.tools, c, self.max_chars, self.timeout)
+                       for c in calls]
             cf.wait(futures, timeout=self.timeout)
             pool.shutdown(wait=False)
             answers = [f.result() if f.done() else no_answer(self.timeout) for f in futures]
@@ -124,7 +125,3 @@ class ToolEnv:
                     for c, a in zip(calls, answers)]
         failed = sum(a.startswith("error:") for a in answers)
         return Step(messages, done=False, calls=len(calls), failed=failed)
-
-
-def no_answer(timeout: float) -> str:
-    return f"error: no answer within {timeout:g} s (tool_timeout)"

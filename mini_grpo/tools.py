@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import concurrent.futures as cf
 import functools
 import inspect
 import json
@@ -273,12 +274,13 @@ def check_arguments(schema: dict, arguments: dict) -> None:
             raise ToolError(f"argument {k!r} must be one of {spec['enum']}")
 
 
-def run_call(tools: dict[str, Callable], call: ToolCall,
-             max_chars: int = MAX_OUTPUT_CHARS) -> str:
+def run_call(tools: dict[str, Callable], call: ToolCall, max_chars: int = MAX_OUTPUT_CHARS,
+             timeout: float | None = None) -> str:
     """The message that answers `call`: the tool's result as text, cut to `max_chars`, or
     `error: ...` for a call that could not be read, an unknown tool, bad arguments or an
     exception in the tool (any Exception; Ctrl-C still stops the run). An `async def` tool
-    is awaited on the process's one loop for tools (_tool_loop)."""
+    is awaited on the process's one loop for tools (_tool_loop); past `timeout` seconds its
+    coroutine is cancelled there (a plain function cannot be: its caller stops waiting)."""
     try:
         if call.error:
             raise ToolError(call.error)
@@ -288,7 +290,12 @@ def run_call(tools: dict[str, Callable], call: ToolCall,
         check_arguments(_schema(fn), call.arguments)
         out = fn(**call.arguments)
         if inspect.isawaitable(out):
-            out = asyncio.run_coroutine_threadsafe(_awaited(out), _tool_loop()).result()
+            running = asyncio.run_coroutine_threadsafe(_awaited(out), _tool_loop())
+            try:
+                out = running.result(timeout)
+            except cf.TimeoutError:
+                running.cancel()
+                raise ToolError(no_answer(timeout).removeprefix("error: ")) from None
         text = out if isinstance(out, str) else json.dumps(out, default=str)
     except Exception as e:  # the model's call, or the tool, failed: the model is told
         lines = str(e).strip().splitlines()
@@ -296,6 +303,10 @@ def run_call(tools: dict[str, Callable], call: ToolCall,
     if len(text) > max_chars:
         text = text[:max_chars] + f" ... (cut at {max_chars} characters)"
     return text
+
+
+def no_answer(timeout: float) -> str:
+    return f"error: no answer within {timeout:g} s (tool_timeout)"
 
 
 async def _awaited(awaitable):

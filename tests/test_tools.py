@@ -68,6 +68,25 @@ async def client_echo(text: str) -> str:
     return text
 
 
+_CANCELLED = []
+
+
+async def stuck(x: int) -> str:
+    """Waits forever, and says when it is cancelled.
+
+    Args:
+        x: anything
+    """
+    import asyncio
+
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        _CANCELLED.append(x)
+        raise
+    return "never"
+
+
 def broken(x: int) -> str:
     """Always fails.
 
@@ -237,5 +256,13 @@ def test_every_failure_is_the_tools_message():
     with cf.ThreadPoolExecutor(2) as pool:
         assert list(pool.map(lambda i: run_call({"client_echo": client_echo}, ToolCall(
             "client_echo", {"text": str(i)})), range(4))) == ["0", "1", "2", "3"]
+    # past the timeout an async tool's coroutine is cancelled on its loop, not left to run
+    assert run_call({"stuck": stuck}, ToolCall("stuck", {"x": 7}), timeout=0.2) == \
+        "error: no answer within 0.2 s (tool_timeout)"
+    for _ in range(100):  # the cancellation lands on the loop's thread
+        if _CANCELLED:
+            break
+        time.sleep(0.05)
+    assert _CANCELLED == [7]
     long = run_call(tools, ToolCall("echo", {"text": "x" * 5000}), max_chars=100)
     assert long == "x" * 100 + " ... (cut at 100 characters)"
