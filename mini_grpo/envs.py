@@ -56,14 +56,24 @@ def env_name(env) -> str:
     return f"{type(env).__module__}:{type(env).__qualname__}"
 
 
-def check_messages(messages, where: str) -> list[dict]:
-    """`messages` as an environment must give them: a list of dicts with a string `role` and
-    `content` (other keys pass to the chat template); EnvError naming `where` if not."""
+ANSWER_ROLES = ("tool", "user", "system")  # who may answer the model's turn
+MAX_CHARS = 1 << 20  # a message's value: the chat template's bound on any one value
+
+
+def check_messages(messages, where: str, roles: tuple[str, ...] | None = None) -> list[dict]:
+    """`messages` as an environment must give them: a list of dicts of strings (at most
+    MAX_CHARS each) with a `role` (among `roles`, where given) and a `content`, the other keys
+    passed to the chat template; what RFT writes of them is then read back as it was
+    (tasks/jsonl.py checks a file's conversations alike). EnvError naming `where` if not."""
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages):
-        raise EnvError(f"{where}: messages must be a list of {{'role': str, 'content': str}} "
-                       f"dicts, got {show(messages)}")
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+            and (roles is None or m["role"] in roles)
+            and all(isinstance(v, str) and len(v) <= MAX_CHARS for v in m.values())
+            for m in messages):
+        who = "str" if roles is None else " | ".join(map(repr, roles))
+        raise EnvError(f"{where}: messages must be a list of {{'role': {who}, 'content': str}} "
+                       f"dicts, every value a string of at most {MAX_CHARS} characters, got "
+                       f"{show(messages)}")
     return messages
 
 
@@ -73,7 +83,7 @@ def checked_step(step, env) -> Step:
     where = f"environment {env_name(env)}: step()"
     if not isinstance(step, Step):
         raise EnvError(f"{where} returned {show(step)}, not a mini_grpo.envs.Step")
-    check_messages(step.messages, where)
+    check_messages(step.messages, where, ANSWER_ROLES)
     if not isinstance(step.done, bool):
         raise EnvError(f"{where}: done must be True or False, got {show(step.done)}")
     if not isinstance(step.rewards, dict):

@@ -274,10 +274,19 @@ def test_jsonl_rows(tmp_path):
     assert {r.meta["target"] for r in loaded} == {7, 34, 79, 14, ex.meta["target"]}
 
     bad = [rows[0], {"prompt": "1 2 -> 3:", "target": "3", "numbers": [1, "2"]}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
-    with pytest.raises(ConfigError, match=r"rows.jsonl: row 2: \"numbers\""):
+    path.write_text(json.dumps(bad[0]) + "\n\n" + json.dumps(bad[1]) + "\n")  # line 3
+    with pytest.raises(ConfigError, match=r"rows.jsonl:3: row 2: \"numbers\""):
         build_task(config(data_path=str(path)))
     bad[1] = {"prompt": "1 2 -> 3:", "target": "<answer>1*2*3</answer>", "numbers": [1, 2]}
     path.write_text("".join(json.dumps(r) + "\n" for r in bad))
     with pytest.raises(ConfigError, match="row 2: target '<answer>1\\*2\\*3</answer>'"):
         build_task(config(data_path=str(path)))
+    # a solution is SFT's target: one that does not reach the row's target is refused
+    bad[1] = {"prompt": "1 2 -> 3:", "target": "3", "numbers": [1, 2], "solution": "1*2"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    with pytest.raises(ConfigError, match=r"rows.jsonl:2: row 2: \"solution\" '1\*2' does "
+                       r"not reach the target 3 with the numbers \[1, 2\]"):
+        build_task(config(data_path=str(path)))
+    bad[1]["solution"] = "1+2"
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    assert build_task(config(data_path=str(path), num_eval=1)).train

@@ -109,6 +109,16 @@ def test_load_jsonl_rows_and_metadata():
     (['{"prompt": "a", "target": "b"}', '', '["a", "b"]'], r"bad\.jsonl:3: expected an object"),
     (['{"prompt": "a"}'], r'bad\.jsonl:1: missing "target"'),
     (['{"prompt": 3, "target": "b"}'], r'bad\.jsonl:1: "prompt" must be a string'),
+    # a lone surrogate (it reached the tokenizer mid-run), a row deep enough to break the
+    # scorer's pickling of its metadata (500 levels; json itself stops at ~1000), a
+    # completion SFT would train on that is not text
+    (['{"prompt": "a", "target": "b\\ud800"}'], r"bad\.jsonl:1: a string that is not valid "
+     r"Unicode \(a lone surrogate"),
+    (['{"prompt": "a", "target": "b", "m": ' + "[" * 500 + "]" * 500 + "}"],
+     r"bad\.jsonl:1: nested deeper than 64 levels"),
+    (['{"prompt": "a", "target": "b", "completion": 5}'],
+     r'bad\.jsonl:1: "completion" \(what SFT trains on in place of the target, as RFT writes '
+     r"it\) must be a string, got int"),
     ([], r"bad\.jsonl: no rows"),
     (['', '  '], r"bad\.jsonl: no rows"),
 ])

@@ -431,6 +431,11 @@ def test_a_step_that_never_returns_does_not_keep_the_process_alive(tmp_path):
     (Step("higher", done=False), "messages must be a list of"),
     (Step([{"role": "user", "content": 3}], done=False), "messages must be a list of"),
     (Step([{"content": "x"}], done=False), "messages must be a list of"),
+    # what RFT writes must read back (tasks/jsonl.py): answering roles, values strings
+    (Step([{"role": "ipython", "content": "x"}], done=False),
+     "messages must be a list of {'role': 'tool' | 'user' | 'system', 'content': str}"),
+    (Step([{"role": "user", "content": "x", "calls": [1]}], done=False),
+     "every value a string of at most 1048576 characters"),
     (Step([], done="no"), "done must be True or False, got 'no'"),
     (Step([], done=True, rewards=None), "rewards must be a dict of reward parts, got None"),
     (Step([], done=True, rewards={"won": float("nan")}), "reward part 'won' is nan"),

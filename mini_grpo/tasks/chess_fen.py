@@ -217,8 +217,8 @@ def fen_error(target: str) -> str | None:
     return None
 
 
-def _check_row(prompt: str, target: str) -> str | None:
-    return fen_error(target)
+def _check_row(ex: Example) -> str | None:
+    return fen_error(ex.target)
 
 
 def valid_fen_column(examples: list[Example], completions: list[str]) -> dict:

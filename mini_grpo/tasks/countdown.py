@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from mini_grpo.fields import ConfigError
+from mini_grpo.fields import ConfigError, show
 from mini_grpo.rewards.countdown import answer_blocks, countdown_correct, evaluate
 from mini_grpo.task_registry import MAX_GENERATED, register
 from mini_grpo.tasks.base import Example, TaskData, split_held_out
@@ -193,8 +193,14 @@ def _row_error(ex: Example, tag: str) -> str | None:
     text = ex.target.strip()
     if INTEGER.fullmatch(text):
         target = int(text)
-        if isinstance(ex.meta.get("solution"), str):
-            ex.target = wrap(ex.meta["solution"], tag)
+        solution = ex.meta.get("solution")
+        if solution is not None:  # SFT's target: it must reach the row's target
+            value = evaluate(solution.partition("=")[0], numbers) \
+                if isinstance(solution, str) else None
+            if value != target:
+                return (f"\"solution\" {show(solution)} does not reach the target {target} "
+                        f"with the numbers {numbers}")
+            ex.target = wrap(solution, tag)
     else:
         blocks = answer_blocks(text, tag)
         value = evaluate(blocks[-1].partition("=")[0], numbers) if blocks else None
@@ -207,12 +213,7 @@ def _row_error(ex: Example, tag: str) -> str | None:
 
 
 def load_rows(path: str, tag: str) -> list[Example]:
-    rows = load_jsonl(path)
-    for i, ex in enumerate(rows, 1):
-        why = _row_error(ex, tag)
-        if why:
-            raise ConfigError(f"{path}: row {i}: {why}")
-    return rows
+    return load_jsonl(path, check=lambda ex: _row_error(ex, tag))  # errors name the line
 
 
 def solved_column(examples: list[Example], completions: list[str]) -> dict:

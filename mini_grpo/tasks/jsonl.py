@@ -22,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mini_grpo.envs import ANSWER_ROLES, MAX_CHARS
 from mini_grpo.fields import ConfigError, show, unreadable
+from mini_grpo.jsonio import check_tree
 from mini_grpo.task_registry import register
 from mini_grpo.tasks.base import Example, TaskData, split_held_out
 
@@ -33,11 +35,11 @@ log = logging.getLogger("mini_grpo.tasks")
 
 DEFAULT_REWARDS = [{"name": "levenshtein", "weight": 0.5}, {"name": "exact_match", "weight": 0.5}]
 
-# a conversation's messages: who may speak, how many (max_tool_calls' 64 rounds of a turn and
-# 17 answers fit), and a value's length (the chat template's bound on any one value)
-ROLES = ("assistant", "tool", "user", "system")
+# a conversation's messages: who may speak (the model, and whoever may answer it: the same
+# rule as for an environment's messages, so what RFT writes reads back), how many
+# (max_tool_calls' 64 rounds of a turn and 17 answers fit), and a value's length
+ROLES = ("assistant", *ANSWER_ROLES)
 MAX_MESSAGES = 2048
-MAX_CHARS = 1 << 20
 
 
 @dataclass
@@ -46,9 +48,10 @@ class Args:
 
 
 def load_jsonl(path, tokenizer=None,
-               check: Callable[[str, str], str | None] | None = None) -> list[Example]:
+               check: Callable[[Example], str | None] | None = None) -> list[Example]:
     """Rows of the file; with a tokenizer, a row it cannot encode is an error naming the row,
-    and so is a row for which `check(prompt, target)` returns a reason (the task's check)."""
+    and so is a row for which `check(example)` returns a reason (the task's check, which may
+    fill in the row's meta)."""
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -77,6 +80,10 @@ def load_jsonl(path, tokenizer=None,
             if not isinstance(obj, dict):
                 raise ConfigError(f"{where}: expected an object with \"prompt\" and \"target\", "
                                   f"got {type(obj).__name__}")
+            # nesting bounded (a row some hundreds of levels deep broke the scorer, which
+            # pickles its metadata) and strings valid Unicode (a lone surrogate reached the
+            # tokenizer mid-run)
+            check_tree(obj, where)
             messages = _messages(obj.pop("messages"), where) if "messages" in obj else None
             if messages is not None:
                 if "prompt" in obj:
@@ -84,6 +91,10 @@ def load_jsonl(path, tokenizer=None,
                 obj["prompt"] = messages[-1]["content"]
             if "conversation" in obj:
                 _conversation(obj["conversation"], where)
+            if "completion" in obj and not isinstance(obj["completion"], str):
+                raise ConfigError(f"{where}: \"completion\" (what SFT trains on in place of "
+                                  f"the target, as RFT writes it) must be a string, got "
+                                  f"{type(obj['completion']).__name__}")
             for key in ("prompt", "target"):
                 if key not in obj:
                     raise ConfigError(f"{where}: missing \"{key}\"")
@@ -96,10 +107,11 @@ def load_jsonl(path, tokenizer=None,
                 if bad:
                     raise ConfigError(f"{where}: row {len(rows) + 1}: characters the tokenizer "
                                       f"cannot encode: {''.join(bad)!r}")
-            why = check(prompt, target) if check is not None else None
+            ex = Example(prompt, target, obj, messages)
+            why = check(ex) if check is not None else None
             if why:
                 raise ConfigError(f"{where}: row {len(rows) + 1}: {why}")
-            rows.append(Example(prompt, target, obj, messages))
+            rows.append(ex)
     if not rows:
         raise ConfigError(f"{path}: no rows (the file is empty)")
     return rows
