@@ -112,6 +112,10 @@ def test_task_through_the_config():
     ("<answer>3.3</answer>", "3.3333", 0.0),
     ("4,500 grams", "4500", 1.0),
     ("<answer>4.50 kg</answer>", "4.5", 1.0),
+    # a word of scale multiplies (it was stripped as a unit: 85 thousand scored right for 85)
+    ("<answer>85 thousand</answer>", "85", 0.0),
+    ("<answer>3.5 thousand</answer>", "3500", 1.0),
+    ("<answer>85 Million dollars</answer>", "85000000", 1.0),
     ("no number at all", "12", 0.0),
     ("", "12", 0.0),
     ("12", "twelve", None),  # a target that is no number is not scored

@@ -71,6 +71,11 @@ _DROP = ["\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "^{\
 _REPLACE = [("\u2212", "-"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("{,}", ","),
             ("\\%", "%"), ("\\ ", " ")]
 _UNIT_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ."
+# a word of scale right after the number multiplies it ("3.5 thousand" is 3500); stripped as
+# a unit, "85 thousand" had been 85
+_SCALES = {"hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9,
+           "trillion": 10**12}
+_SCALE_RE = re.compile(r"\s+(" + "|".join(_SCALES) + r")\b", re.IGNORECASE)
 _TOLERANCE = Fraction(1, 10**6)
 
 
@@ -146,6 +151,11 @@ def to_number(s: str) -> tuple[Fraction, bool] | None:
     if len(s) > MAX_NUMBER_CHARS:
         return None
     s = s.rsplit("=", 1)[1].strip() if _VAR_PREFIX_RE.match(s) else s
+    scale = 1
+    m = _SCALE_RE.search(s)  # after a number, before units alone: "85 thousand dollars"
+    if m and not s[:m.start()].rstrip(" .").endswith(tuple(_UNIT_CHARS[:52])) and \
+            s[m.end():].strip(_UNIT_CHARS) == "":
+        s, scale = s[:m.start()], _SCALES[m[1].lower()]
     s = _strip_units(s).rstrip(" %")
     s = _strip_units(s).strip()  # "50% of them" / "50 percent"
     sign = 1
@@ -164,7 +174,7 @@ def to_number(s: str) -> tuple[Fraction, bool] | None:
             a = a / b * (-1 if d.get("sa") else 1) * (-1 if d.get("sb") else 1)
         if d.get("w"):
             a = int(d["w"]) + a if a >= 0 else -int(d["w"]) + a
-        return sign * a, "." in s
+        return sign * a * scale, "." in s
     return None
 
 
