@@ -22,6 +22,7 @@ from mini_grpo.rewards.registry import ROW_SLOTS
 # a few plugins at 1e12 keep that finite for any batch up to ~1e12 rows.
 MAX_REWARD = 1e12
 _TEXT = (str, bytes, bytearray)  # never a reward, nor a list of them
+_COMPLEX = (complex, np.complexfloating)  # numpy would read 0.5+3j as 0.5 (and "0.5" too)
 
 
 def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]:
@@ -35,7 +36,7 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
         except TypeError:
             return None, f"returned {type(values).__name__}, expected a list of {n} floats"
     try:
-        if any(isinstance(v, _TEXT) for v in values):  # numpy would read "0.5" as a number
+        if any(isinstance(v, (*_TEXT, *_COMPLEX)) for v in values):
             raise ValueError
         arr = np.array(values, dtype=np.float64)  # a copy; None becomes NaN
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
@@ -56,6 +57,8 @@ def _as_rewards(values, n: int, lo: int) -> tuple[np.ndarray | None, str | None]
 def _float_or_nan(v) -> float:
     if isinstance(v, _TEXT):  # "0.5" is no reward
         return float("nan")
+    if isinstance(v, _COMPLEX):  # a real number as complex is that number; 0.5+3j is none
+        return float(v.real) if v.imag == 0 else float("nan")
     try:
         return float(v)
     except (TypeError, ValueError, OverflowError):

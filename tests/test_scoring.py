@@ -66,6 +66,14 @@ def string_on_bad(prompts, completions, targets, metas):
     return ["0.5" if c == "bad" else 1.0 for c in completions]  # a number's text is no reward
 
 
+def complex_on_bad(prompts, completions, targets, metas):  # numpy would keep the real part
+    return [np.complex128(0.5 + 3j) if c == "bad" else np.float32(1.0) for c in completions]
+
+
+def complex_array_on_bad(prompts, completions, targets, metas):
+    return np.array([0.5 + 3j if c == "bad" else 1.0 for c in completions])
+
+
 def sleepy(prompts, completions, targets, metas):
     if "bad" in completions:
         time.sleep(20.0)
@@ -271,7 +279,8 @@ def test_wrong_number_of_values_fails_the_chunk():
     assert res.metrics["reward/short/failures"] == 4
 
 
-@pytest.mark.parametrize("fn", [nan_on_bad, none_on_bad, inf_on_bad, string_on_bad])
+@pytest.mark.parametrize("fn", [nan_on_bad, none_on_bad, inf_on_bad, string_on_bad,
+                                complex_on_bad, complex_array_on_bad])
 def test_nan_none_inf_strings_fail_only_their_rows(fn, caplog):
     with caplog.at_level(logging.WARNING, logger="mini_grpo.scoring"):
         res = RewardScorer([spec(fn)], workers=2, on_error=0.25).score(*rows(BATCH))
