@@ -91,6 +91,11 @@ def test_missing_trailing_fields():
     # plus side to move and castling: 0.8 + 0.2 * 2/5
     assert one("board_delta", placement + " w KQkq", AFTER_E4_E5) == pytest.approx(0.88)
     assert one("exact_match", placement, AFTER_E4_E5) == 0.0
+    # a partial target (a data file's) is scored over the fields it gives: itself is 1.0
+    assert one("board_delta", placement, placement) == 1.0
+    assert one("board_delta", placement + " w KQkq", placement + " w KQkq") == 1.0
+    assert one("board_delta", placement + " b KQkq", placement + " w KQkq") == \
+        pytest.approx((0.8 + 0.04) / 0.88)
 
 
 def test_fen_valid_rejects_illegal_positions():

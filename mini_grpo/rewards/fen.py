@@ -97,7 +97,8 @@ def board_delta_one(completion: str, target: str) -> float:
     position or the completion differs from it; 1.0 when neither changed any square.
     Fields (weight 0.2, 0.04 each): side to move, castling, en passant, halfmove clock and
     fullmove number, each an exact string match; a missing field counts as wrong and fields
-    after the sixth are ignored.
+    after the sixth are ignored. A target that gives fewer fields (a partial FEN, which a data
+    file may hold) is scored over those it gives, so that it scores itself 1.0.
     """
     want, want_fields = _target_squares(target)
     fields = completion.split()
@@ -111,7 +112,11 @@ def board_delta_one(completion: str, target: str) -> float:
             hits += g == w
     placement = hits / total if total else 1.0
     field_hits = sum(a == b for a, b in zip(fields[1:6], want_fields[1:6]))
-    return DELTA_PLACEMENT_WEIGHT * placement + (1 - DELTA_PLACEMENT_WEIGHT) * field_hits / 5
+    score = DELTA_PLACEMENT_WEIGHT * placement + (1 - DELTA_PLACEMENT_WEIGHT) * field_hits / 5
+    given = len(want_fields[1:6])
+    if given < 5:  # the most a completion can reach against this target
+        score /= DELTA_PLACEMENT_WEIGHT + (1 - DELTA_PLACEMENT_WEIGHT) * given / 5
+    return score
 
 
 @register("board_accuracy")
