@@ -130,6 +130,13 @@ def test_loader_skips_a_truncated_last_line_but_not_a_bad_middle_one(tmp_path, c
     p.write_text('{"prompt": "a:", "tar\n{"prompt": "c:", "target": "d"}\n')
     with pytest.raises(ConfigError, match=":1: malformed JSON"):
         load_jsonl(p)
+    # a kill inside a character: its first byte of two, the last line's (a middle one is bad)
+    cut = b'{"prompt": "a:", "target": "b"}\n{"prompt": "Z' + "\u00fc".encode()[:1]
+    p.write_bytes(cut)
+    assert [ex.prompt for ex in load_jsonl(p)] == ["a:"]
+    p.write_bytes(cut + b"\n")
+    with pytest.raises(ConfigError, match=":2: not valid UTF-8"):
+        load_jsonl(p)
 
 
 def test_rft_mode_end_to_end(tmp_path):

@@ -63,6 +63,9 @@ def load_jsonl(path, tokenizer=None,
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
+                if not raw.endswith(b"\n"):  # cut short by a kill inside a character
+                    log.warning("%s: truncated last line skipped (not valid UTF-8)", where)
+                    break
                 raise ConfigError(f"{where}: not valid UTF-8") from None
             if not line.strip():
                 continue
