@@ -144,12 +144,15 @@ class Trajectory:
             loss_mask = loss_mask & r.finished[:, None]
         n_seqs = loss_mask.any(1).sum() if cfg.dynamic_sampling or cfg.mask_truncated else \
             torch.tensor(len(rewards))
+        # in float64: s2/n - mean^2 cancels, and in float32 rewards of 100 +- 0.1 had a batch
+        # std of 0 (scale_rewards: batch then scaled their advantages ~350x)
+        r64 = rewards.double()
         n, s1, s2, seqs, tokens = D.all_reduce_sum(torch.stack([
-            torch.tensor(float(len(rewards)), device=rewards.device), rewards.sum(),
-            rewards.square().sum(), n_seqs.to(rewards.device).float(),
-            loss_mask.sum().float()]))
-        mean = s1 / n
-        std = (s2 / n - mean**2).clamp(min=0).sqrt()
+            torch.tensor(float(len(rewards)), dtype=torch.float64, device=rewards.device),
+            r64.sum(), r64.square().sum(), n_seqs.to(rewards.device).double(),
+            loss_mask.sum().double()]))
+        std = (s2 / n - (s1 / n) ** 2).clamp(min=0).sqrt().float()
+        n, mean, seqs, tokens = n.float(), (s1 / n).float(), seqs.float(), tokens.float()
         adv = group_advantages(rewards, G, cfg.scale_rewards, batch_std=std)
         live = loss_mask if cfg.beta else loss_mask & (adv != 0)[:, None]
         plan = tuple(cut(rows, live, r.prompt_mask, G) for rows in row_batches(

@@ -207,3 +207,27 @@ def test_loss_settings_take_the_configs_defaults_and_have_none_of_their_own():
     assert (s.beta, s.epsilon_low, s.epsilon_high, s.loss_agg) == (
         cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.loss_agg)
     assert LossSettings.default(beta=0.5).beta == 0.5
+
+
+def test_the_batch_std_of_offset_rewards_is_exact():
+    """scale_rewards: batch divides by the global batch's std, from moments summed in one
+    all-reduce: in float32, rewards of 100 + U(0, 0.1) got a std of 0 and advantages of ~760."""
+    from conftest import tiny
+
+    from mini_grpo.engines.base import Rollout, Sampling
+    from mini_grpo.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    B, G = 128, 8
+    ones = torch.ones(B, 3, dtype=torch.bool)
+    r = Rollout(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.bool),
+                torch.ones(B, 3, dtype=torch.long), ones, torch.zeros(B, 3),
+                torch.ones(B, dtype=torch.bool), sampling=Sampling(3, 1.0))
+    cfg = tiny(None, group_size=G, scale_rewards="batch", beta=0.0)
+    for base, spread in [(100.0, 0.1), (1000.0, 1.0)]:
+        rewards = base + spread * torch.rand(B, generator=g)
+        t = Trajectory.of(r, rewards, cfg)
+        exact = rewards.double().std(unbiased=False)
+        assert t.reward_std.item() == pytest.approx(exact.item(), rel=1e-5)
+        want = group_advantages(rewards.double(), G, "batch", batch_std=exact)
+        torch.testing.assert_close(t.advantages, want, rtol=1e-3, atol=1e-3)
