@@ -8,7 +8,9 @@ Loss variants are parameters, not switches spread through the trainer:
                  none:  r - group mean                            (Dr. GRPO)
   loss_agg       grpo:    mean over each sequence's tokens, then over sequences
                  dapo:    sum over all tokens / number of tokens in the global batch
-                 dr_grpo: sum over all tokens / (sequences x max_new_tokens)
+                 dr_grpo: sum over all tokens / (rows x max_new_tokens), every row of
+                          the batch counted, those that carry no loss (dynamic sampling,
+                          mask_truncated) too: a constant, as Dr. GRPO and TRL have it
 Per token: clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with
 r = exp(logp - old_logp), plus beta * KL(pi || ref) with the k3 estimator
 exp(ref - logp) - (ref - logp) - 1. Both exponents are masked before the exponential: at a
@@ -119,12 +121,13 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
-              entropy=None, num_seqs=None, num_tokens=None,
+              entropy=None, num_seqs=None, num_tokens=None, num_rows=None,
               engine_logp=None) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss of one (micro-)batch and its detached statistics.
 
     logp, old_logp, ref_logp, entropy: (B, T) fp32; adv: (B,); mask: (B, T) completion mask.
-    num_seqs / num_tokens: the global batch's sequence and token counts (default: this batch).
+    num_seqs / num_tokens / num_rows: the global batch's counts of sequences that carry loss,
+    of their tokens, and of all its rows (dr_grpo's); default: this batch's.
     engine_logp: (B, T) the log-probs the rollout engine sampled with; with `s.vllm_is_cap` the
     policy-gradient term (not the KL term) of each token is weighted by truncated importance
     sampling (`engine_is_weight`), and the stats say how far the two disagree.
@@ -133,6 +136,7 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
     keep, m = mask.bool(), mask.float()
     num_seqs = logp.size(0) if num_seqs is None else num_seqs
     num_tokens = m.sum() if num_tokens is None else num_tokens
+    num_rows = logp.size(0) if num_rows is None else num_rows
     A = adv[:, None]  # (B, 1)
     ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))  # (B, T), 1 where masked
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
@@ -158,7 +162,7 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
     elif agg == "dr_grpo":
         if s.max_new_tokens is None:
             raise ValueError("agg='dr_grpo' needs max_new_tokens")
-        loss = (per_token * m).sum() / (num_seqs * s.max_new_tokens)
+        loss = (per_token * m).sum() / (num_rows * s.max_new_tokens)
     else:
         raise ValueError(f"agg must be grpo, dapo or dr_grpo, got {agg!r}")
 

@@ -226,7 +226,8 @@ def policy_pass(net, traj: Trajectory, cfg,
                 olds.append(old)
                 loss, st = grpo_loss(logp, old, mb.adv, mb.loss_mask, settings,
                                      ref_logp=mb.ref_logp, entropy=ent, num_seqs=traj.num_seqs,
-                                     num_tokens=traj.num_tokens, engine_logp=mb.engine_logp)
+                                     num_tokens=traj.num_tokens, num_rows=traj.num_rows,
+                                     engine_logp=mb.engine_logp)
                 backward(loss * world)
             k = mb.loss_mask.sum()
             pushed, real = mb.positions()

@@ -116,11 +116,25 @@ def test_global_normalisers_make_micro_batches_sum_to_the_whole():
     for agg in ("grpo", "dapo", "dr_grpo"):
         s = settings(loss_agg=agg, max_new_tokens=5)
         whole, _ = grpo_loss(logp, old, adv, mask, s)
-        kw = dict(num_seqs=4, num_tokens=mask.sum())
+        kw = dict(num_seqs=4, num_tokens=mask.sum(), num_rows=4)
         parts = sum(grpo_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], s,
                               **kw)[0]
                     for i in (0, 2))
         torch.testing.assert_close(parts, whole)
+
+
+def test_dr_grpo_divides_by_every_row_of_the_batch_whatever_carries_loss():
+    """dr_grpo's normaliser is a constant, rows x max_new_tokens (Dr. GRPO, TRL): rows that
+    dynamic sampling or mask_truncated leave out of the loss still count. It counted only the
+    rows carrying loss, so the per-token weight changed from step to step (up to 8x)."""
+    torch.manual_seed(0)
+    logp = torch.randn(4, 5) * 0.1 - 1
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[1:] = False  # one row of four carries loss
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, settings(loss_agg="dr_grpo",
+                        max_new_tokens=5), num_seqs=1, num_tokens=mask.sum(), num_rows=4)
+    torch.testing.assert_close(loss, torch.tensor(-1.0 * 5 / (4 * 5)))
 
 
 def test_logprobs_and_entropy_of_uniform_logits():
