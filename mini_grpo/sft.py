@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import fsdp
-from .checkpoint import CheckpointError, latest_checkpoint, load_weights
+from .checkpoint import CheckpointError, latest_checkpoint, load_weights, set_rng_state
 from .chunked import SFT_CPU_BUDGET_BYTES, token_logprobs
 from .config import ConfigError, GRPOConfig, load_config
 from .data import batch_indices, sft_batch, shard
@@ -101,6 +101,9 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
         if not finite_everywhere(model):
             raise CheckpointError(f"{ckpt.get('sharded') or path}: its weights are not "
                                   f"finite; delete it to train the stage again")
+        rngs = ckpt.get("rng")  # where the stage left the RNG (dropout draws on after it)
+        if isinstance(rngs, list) and rngs:
+            set_rng_state(rngs[min(dist.rank, len(rngs) - 1)], source=str(path))
         return amp and bool(ckpt.get("guard", {}).get("amp", True))
     state = TrainState(run, base_lr, steps, min(cfg.warmup_steps * 5, steps // 10), amp=amp,
                        tag=tag)

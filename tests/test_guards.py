@@ -175,6 +175,24 @@ def test_a_finished_sft_stage_is_reused_only_with_the_same_options(tmp_path, cap
     assert "not reusing" in text and "sft_lr" in text and "[sft] done" in text
 
 
+def test_a_reused_sft_stage_hands_grpo_the_rng_the_stage_left(tmp_path):
+    """A run killed after SFT, before GRPO's first checkpoint, and started again reuses the
+    stage: GRPO then draws its dropout from where SFT left the RNG, as the straight run does
+    (it drew from where building the model left it: every tensor of the weights differed)."""
+    opts = dict(mode="sft_grpo", sft_steps=3, max_steps=2, save_every=1, dropout=0.1, lr=1e-2)
+    train(tiny(tmp_path / "straight", **opts))
+    out = tmp_path / "again"
+    train(tiny(out, **opts))
+    for path in list_checkpoints(out / "checkpoints"):
+        path.unlink()
+    (out / "eval.json").unlink()
+    train(tiny(out, **opts))
+    want = load_checkpoint(list_checkpoints(tmp_path / "straight" / "checkpoints")[-1])
+    got = load_checkpoint(list_checkpoints(out / "checkpoints")[-1])
+    assert got["step"] == want["step"] == 2
+    assert [k for k in want["model"] if not torch.equal(want["model"][k], got["model"][k])] == []
+
+
 def test_a_stage_saved_by_an_older_version_is_compared_after_migration():
     from mini_grpo.sft import stage_changes
 
