@@ -207,7 +207,9 @@ def prune(directory: Path, keep: int, written: Path) -> None:
     that load (0: keeps all), up to `written`'s step. Only loadable ones count and go: one
     that does not load is left as it is (the run overwrites it when it gets to that step),
     and so is any of a later step (a resume skipped it: this run's steps have not got there)."""
-    _remove(written.with_suffix(".pt" if written.suffix == ".dcp" else ".dcp"))
+    other = written.with_suffix(".pt" if written.suffix == ".dcp" else ".dcp")
+    if loadable(other):  # a checkpoint, never a file or folder of the user's that is named so
+        _remove(other)
     if keep <= 0:
         return
     upto = int(_NAME.match(written.name).group(1))
@@ -240,6 +242,12 @@ def loadable(path: Path) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+def has_checkpoint(directory: str | Path) -> bool:
+    """Whether `directory` holds a checkpoint that loads (one named so is not enough: the
+    guard's restore rung, offered on that, found none and ended in a traceback)."""
+    return any(loadable(p) for p in list_checkpoints(directory))
 
 
 def clean_stale_temps(directory: str | Path) -> list[Path]:

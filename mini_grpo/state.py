@@ -30,8 +30,8 @@ from . import distributed as D
 from . import fsdp
 from .checkpoint import (
     CheckpointError,
+    has_checkpoint,
     latest_checkpoint,
-    list_checkpoints,
     load_weights,
     rng_state,
     save,
@@ -122,7 +122,7 @@ class TrainState:
         self._say(step, f"non-finite loss, gradient, weights or logits: step skipped "
                         f"({self.guard.consecutive} in a row, {self.guard.skipped} in all)")
         # every rank must see the checkpoint (shared storage) for "restore" to be agreed
-        mine = float(self.directory is not None and bool(list_checkpoints(self.directory)))
+        mine = float(self.directory is not None and has_checkpoint(self.directory))
         have = D.all_reduce_sum(torch.tensor([mine], device=self.device)).item() \
             == self.dist.world_size
         amp = self.guard.amp

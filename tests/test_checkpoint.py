@@ -258,13 +258,31 @@ def test_save_cleans_stale_temps(tmp_path):
 def test_a_step_saved_again_in_the_other_form_replaces_it(tmp_path):
     # the same stage saved by a DDP run, then by an fsdp one (shards): only the newer is kept
     # (step_N.dcp sorts before step_N.pt: pruning by name alone would remove the new one)
-    (tmp_path / "step_0000004.dcp").mkdir()
-    (tmp_path / "step_0000004.dcp" / ".metadata").write_bytes(b"")
+    sharded(tmp_path, 4)
     path = save_checkpoint(state(4), tmp_path, 4, keep=1)
     assert list_checkpoints(tmp_path) == [path]
-    (tmp_path / "step_0000004.dcp").mkdir()
+    sharded(tmp_path, 4)
     prune(tmp_path, 1, tmp_path / "step_0000004.dcp")  # as checkpoint.save does after shards
     assert list_checkpoints(tmp_path) == [tmp_path / "step_0000004.dcp"]
+    # the other form is removed only where it is a checkpoint: a folder of the user's that is
+    # named so stays, even with keep_checkpoints 0 (it was removed, its files with it)
+    save_checkpoint(state(5), tmp_path, 5, keep=0)
+    (tmp_path / "step_0000006.dcp").mkdir()
+    (tmp_path / "step_0000006.dcp" / "notes.txt").write_text("mine")
+    save_checkpoint(state(6), tmp_path, 6, keep=0)
+    assert (tmp_path / "step_0000006.dcp" / "notes.txt").read_text() == "mine"
+
+
+def test_a_directory_has_a_checkpoint_only_where_one_loads(tmp_path):
+    """What the guard's restore rung is offered on: a junk step_N.pt alone is no checkpoint
+    (the rung then found none and ended the run in a traceback)."""
+    from mini_grpo.checkpoint import has_checkpoint
+
+    assert not has_checkpoint(tmp_path / "none")
+    (tmp_path / "step_0000003.pt").write_bytes(b"cut short")
+    assert list_checkpoints(tmp_path) and not has_checkpoint(tmp_path)
+    save_checkpoint(state(2), tmp_path, 2)
+    assert has_checkpoint(tmp_path)
 
 
 def test_retention_counts_only_checkpoints_that_load(tmp_path):
