@@ -16,13 +16,12 @@ whatever an environment says.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .fields import ConfigError, show
-from .threads import DaemonThreadPool
+from .threads import run_at_once
 from .tool_calls import CALL_FORMATS, parse_tool_calls
 from .tools import MAX_OUTPUT_CHARS, no_answer, run_call
 
@@ -125,12 +124,10 @@ class ToolEnv:
         if self.timeout is None:
             answers = [run_call(self.tools, c, self.max_chars) for c in calls]
         else:
-            pool = DaemonThreadPool(len(calls))
-            futures = [pool.submit(run_call, self.tools, c, self.max_chars, self.timeout)
-                       for c in calls]
-            cf.wait(futures, timeout=self.timeout)
-            pool.shutdown(wait=False)
-            answers = [f.result() if f.done() else no_answer(self.timeout) for f in futures]
+            futures = run_at_once([(run_call, (self.tools, c, self.max_chars, self.timeout))
+                                   for c in calls], self.timeout)
+            answers = [f.result() if f.done() else f"error: {no_answer(self.timeout)}"
+                       for f in futures]
         messages = [{"role": "tool", "name": c.name, "content": a}
                     for c, a in zip(calls, answers)]
         failed = sum(a.startswith("error:") for a in answers)

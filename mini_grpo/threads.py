@@ -1,12 +1,35 @@
 """DaemonThreadPool: the reward scorer's thread pool, whose threads never keep the trainer
-from exiting (a plugin call that never returns is abandoned, not waited for)."""
+from exiting (a plugin call that never returns is abandoned, not waited for); run_at_once,
+calls each in a thread of its own under one timeout (tools, environments)."""
 
 from __future__ import annotations
 
 import queue
 import signal
 import threading
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, wait
+
+
+def block_interrupts() -> None:
+    """For a helper thread: the kernel hands a process's Ctrl-C (SIGINT, SIGTERM) to any
+    thread not blocking it; blocked here, it reaches the main thread, which raises
+    KeyboardInterrupt at once (else only once the helper's call returned: seen in CI, 20 s)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def run_at_once(calls: list[tuple[Callable, tuple]], timeout: float | None) -> list[Future]:
+    """Each (fn, args) of `calls` in a daemon thread of its own, all started at once; waits
+    at most `timeout` seconds for them all. Returns their futures: those not done by then are
+    left running, and keep no process from exiting."""
+    pool = DaemonThreadPool(len(calls))
+    futures = [pool.submit(fn, *args) for fn, args in calls]
+    try:
+        wait(futures, timeout=timeout)
+    finally:
+        pool.shutdown(wait=False)  # threads still in a call exit when it returns
+    return futures
 
 
 class DaemonThreadPool(Executor):
@@ -26,11 +49,7 @@ class DaemonThreadPool(Executor):
             t.start()
 
     def _work(self) -> None:
-        # the kernel hands a process's Ctrl-C (SIGINT, SIGTERM) to any thread not blocking
-        # it: blocked here, it reaches the main thread, which waits on this call and raises
-        # KeyboardInterrupt at once (else only once the plugin returned: seen in CI, 20 s)
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        block_interrupts()
         while (item := self._queue.get()) is not None:
             future, fn, args = item
             # known as running before it can run: a caller that fails to cancel a future

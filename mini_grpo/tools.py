@@ -29,13 +29,13 @@ import math
 import operator
 import os
 import re
-import signal
 import threading
 import types
 import typing
 from collections.abc import Callable
 
 from .fields import ConfigError
+from .threads import block_interrupts
 from .tool_calls import (  # noqa: F401  (the parser's names, imported from here before it moved)
     MAX_CALL_BYTES,
     MAX_CALL_DEPTH,
@@ -295,7 +295,7 @@ def run_call(tools: dict[str, Callable], call: ToolCall, max_chars: int = MAX_OU
                 out = running.result(timeout)
             except cf.TimeoutError:
                 running.cancel()
-                raise ToolError(no_answer(timeout).removeprefix("error: ")) from None
+                raise ToolError(no_answer(timeout)) from None
         text = out if isinstance(out, str) else json.dumps(out, default=str)
     except Exception as e:  # the model's call, or the tool, failed: the model is told
         lines = str(e).strip().splitlines()
@@ -306,7 +306,8 @@ def run_call(tools: dict[str, Callable], call: ToolCall, max_chars: int = MAX_OU
 
 
 def no_answer(timeout: float) -> str:
-    return f"error: no answer within {timeout:g} s (tool_timeout)"
+    """Why a call or a step past `timeout` has no answer (its message: `error: ` and this)."""
+    return f"no answer within {timeout:g} s (tool_timeout)"
 
 
 async def _awaited(awaitable):
@@ -333,6 +334,5 @@ def _tool_loop() -> asyncio.AbstractEventLoop:
 
 
 def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
-    if hasattr(signal, "pthread_sigmask"):  # Ctrl-C goes to the main thread (threads.py)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    block_interrupts()
     loop.run_forever()

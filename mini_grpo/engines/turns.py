@@ -27,7 +27,7 @@ import torch
 
 from ..conversation import continuation
 from ..envs import Environment, Step, ToolEnv, check_messages, checked_step, env_name, no_answer
-from ..threads import DaemonThreadPool
+from ..threads import run_at_once
 
 TOOL_LOOP_GRACE = 5.0  # s past tool_timeout for the tool loop's step, which bounds its calls
 
@@ -137,13 +137,9 @@ class Turns:
         """Each row's environment steps on its turn, all at once (module docstring); a row
         whose earlier step still runs ends instead."""
         free = [g not in self.running or self.running.pop(g).done() for g in rows]
-        pool = DaemonThreadPool(sum(free))
-        futures = [pool.submit(self.envs[g].step, t) if ok else None
-                   for g, t, ok in zip(rows, texts, free)]
-        try:
-            cf.wait([f for f in futures if f is not None], timeout=self.deadline)
-        finally:
-            pool.shutdown(wait=False)  # threads still in a step exit when it returns
+        started = iter(run_at_once([(self.envs[g].step, (t,))
+                                    for g, t, ok in zip(rows, texts, free) if ok], self.deadline))
+        futures = [next(started) if ok else None for ok in free]
         out = []
         for g, f in zip(rows, futures):
             if f is not None and not f.done():
@@ -153,7 +149,7 @@ class Turns:
 
     def _result(self, g: int, f: cf.Future) -> Step:
         if not f.done():
-            why = no_answer(self.setup.timeout).removeprefix("error: ")
+            why = no_answer(self.setup.timeout)
         elif f.exception() is not None:
             lines = str(f.exception()).strip().splitlines()
             why = lines[0] if lines else type(f.exception()).__name__

@@ -153,7 +153,7 @@ def to_number(s: str) -> tuple[Fraction, bool] | None:
     s = s.rsplit("=", 1)[1].strip() if _VAR_PREFIX_RE.match(s) else s
     scale = 1
     m = _SCALE_RE.search(s)  # after a number, before units alone: "85 thousand dollars"
-    if m and not s[:m.start()].rstrip(" .").endswith(tuple(_UNIT_CHARS[:52])) and \
+    if m and not s[:m.start()].rstrip(" .")[-1:].isalpha() and \
             s[m.end():].strip(_UNIT_CHARS) == "":
         s, scale = s[:m.start()], _SCALES[m[1].lower()]
     s = _strip_units(s).rstrip(" %")
