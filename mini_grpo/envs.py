@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .fields import ConfigError, show
+from .plugin_calls import MAX_REWARD
 from .threads import run_at_once
 from .tool_calls import CALL_FORMATS, parse_tool_calls
 from .tools import MAX_OUTPUT_CHARS, no_answer, run_call
@@ -78,7 +79,8 @@ def check_messages(messages, where: str, roles: tuple[str, ...] | None = None) -
 
 def checked_step(step, env) -> Step:
     """What environment `env`'s step() returned, checked: a Step of messages, a bool `done`,
-    reward parts that are finite numbers within +-1e12, counts >= 0 (EnvError if not)."""
+    reward parts that are finite numbers within +-MAX_REWARD (a reward plugin's bound),
+    counts >= 0 (EnvError if not)."""
     where = f"environment {env_name(env)}: step()"
     if not isinstance(step, Step):
         raise EnvError(f"{where} returned {show(step)}, not a mini_grpo.envs.Step")
@@ -89,9 +91,9 @@ def checked_step(step, env) -> Step:
         raise EnvError(f"{where}: rewards must be a dict of reward parts, got "
                        f"{show(step.rewards)}")
     for name, v in step.rewards.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= 1e12:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= MAX_REWARD:
             raise EnvError(f"{where}: reward part {show(name)} is {show(v)}; each must be a "
-                           f"finite number within +-1e12")
+                           f"finite number within +-{MAX_REWARD:g}")
     for name in ("calls", "failed"):
         v = getattr(step, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
