@@ -27,6 +27,8 @@ CASES = [  # (completion, target, expected math_answer)
     ("#### 0.50", "\\frac{1}{2}", 1.0),
     ("\\boxed{0.333333}", "\\frac{1}{3}", 1.0),  # within 1e-6 relative
     ("\\boxed{0.33}", "\\frac{1}{3}", 0.0),
+    ("\\boxed{18.0000001}", "18", 0.0),  # within 1e-6, but 18 is exact
+    ("\\boxed{1.5e3}", "1500", 1.0),
     ("\\boxed{2 1/2}", "2.5", 1.0),  # mixed numbers
     ("\\boxed{2\\frac{1}{2}}", "5/2", 1.0),
     ("\\boxed{1/0}", "1/0", 1.0),  # not a number: equal as text

@@ -116,6 +116,17 @@ def test_task_through_the_config():
     ("<answer>85 thousand</answer>", "85", 0.0),
     ("<answer>3.5 thousand</answer>", "3500", 1.0),
     ("<answer>85 Million dollars</answer>", "85000000", 1.0),
+    # a decimal claims no more than its digits hold: 162100.0 was within 1e-3 of 162213
+    ("<answer>162100.0</answer>", "162213", 0.0),
+    ("<answer>162213.4</answer>", "162213", 0.0),
+    ("<answer>162213.0</answer>", "162213", 1.0),
+    ("<answer>94</answer>", "93.98", 1.0),  # the target rounded at the answer's precision
+    ("<answer>1000</answer>", "1000.6", 0.0),  # which rounds to 1001
+    # an exponent is part of its number: the last number of "1e3" had been 3
+    ("The answer is 1e3.", "3", 0.0),
+    ("The answer is 1e3.", "1000", 1.0),
+    ("<answer>2.5E-3</answer>", "0.0025", 1.0),
+    ("<answer>1e99999</answer>", "1", 0.0),  # past 3 digits of exponent: no number
     ("no number at all", "12", 0.0),
     ("", "12", 0.0),
     ("12", "twelve", None),  # a target that is no number is not scored

@@ -16,9 +16,11 @@ optional thousands commas, a decimal, `a/b`, `\\frac{a}{b}` (`\\dfrac`, `\\tfrac
 a sign inside or outside), a mixed number (`2 1/2`, `2\\frac{1}{2}`), then an optional `%` and
 trailing unit words ("72 dollars", "5 \\text{cm}"); a leading `x =` is dropped. A percent sign
 is ignored, so 50% == 50 != 0.5: GSM8K asks "what percent ..." and answers 50. Two numbers are
-equal when their exact fractions are, or, when either is written as a decimal, within 1e-6
-relative (0.5 == 1/2 exactly, 0.333333 == 1/3 by tolerance, 0.33 != 1/3). Exponents (1e5) and
-numbers over 100 characters are not read as numbers.
+equal when their exact fractions are, or, when either is written as a decimal, when they are
+within 1e-6 relative and one rounds to the other at the other's written precision (0.5 == 1/2
+exactly, 0.333333 == 1/3 by tolerance, 0.33 != 1/3; 18.0000001 != 18, which is exact, where a
+decimal's digits claimed more than they held). An exponent (1e5, 2.5E-3; at most 3 digits) is
+part of the number; numbers over 100 characters are not read as numbers.
 
 When either side is not a number, the two are compared as strings after normalising: `$`,
 whitespace, `\\left`/`\\right`, `\\!` `\\,` `\\;` `\\:`, `\\displaystyle`, degree marks and a
@@ -56,9 +58,9 @@ _N = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"  # 1,234.5 / 1234 / .5
 _LAST_NUMBER_RE = re.compile(
     rf"(?:(?<![\w)\]}}])[-\u2212])?"  # a minus that is no subtraction: "-3", not "5-3"
     rf"(?:\\[dt]?frac\{{\s*-?(?:{_N})\s*\}}\{{\s*-?(?:{_N})\s*\}}|\\[dt]?frac\d\d"
-    rf"|(?:{_N})(?:\s*/\s*(?:{_N}))?)")
+    rf"|(?:{_N})(?:[eE][-+]?\d+)?(?:\s*/\s*(?:{_N}))?)")  # 1e3 whole: its last number was 3
 _NUMBER_RES = [  # full matches, after sign, `$`, `%` and units are gone
-    re.compile(rf"(?P<a>{_N})"),
+    re.compile(rf"(?P<a>{_N})(?:[eE](?P<e>[-+]?\d{{1,3}}))?"),
     re.compile(rf"(?:(?P<w>\d+)\s+)?(?P<a>{_N})\s*/\s*(?P<b>{_N})"),
     re.compile(rf"(?:(?P<w>\d+)\s*)?\\frac\s*\{{\s*(?P<sa>-?)\s*(?P<a>{_N})\s*\}}"
                rf"\s*\{{\s*(?P<sb>-?)\s*(?P<b>{_N})\s*\}}"),
@@ -146,8 +148,10 @@ def _strip_units(s: str) -> str:
     return s
 
 
-def to_number(s: str) -> tuple[Fraction, bool] | None:
-    """(exact value, written as a decimal) of a normalised answer, or None if not a number."""
+def to_number(s: str) -> tuple[Fraction, Fraction | None] | None:
+    """(exact value, half a unit of its last written digit where it is written as a decimal,
+    else None) of a normalised answer, or None if not a number: "3.25" -> (13/4, 1/200),
+    "1.5e3" -> (1500, 50), "7/2" -> (7/2, None)."""
     if len(s) > MAX_NUMBER_CHARS:
         return None
     s = s.rsplit("=", 1)[1].strip() if _VAR_PREFIX_RE.match(s) else s
@@ -167,6 +171,7 @@ def to_number(s: str) -> tuple[Fraction, bool] | None:
             continue
         d = m.groupdict()
         a = Fraction(d["a"].replace(",", ""))
+        exponent = int(d.get("e") or 0)
         if d.get("b") is not None:
             b = Fraction(d["b"].replace(",", ""))
             if b == 0:
@@ -174,8 +179,31 @@ def to_number(s: str) -> tuple[Fraction, bool] | None:
             a = a / b * (-1 if d.get("sa") else 1) * (-1 if d.get("sb") else 1)
         if d.get("w"):
             a = int(d["w"]) + a if a >= 0 else -int(d["w"]) + a
-        return sign * a * scale, "." in s
+        half_unit = None
+        if "." in s or d.get("e"):
+            places = len(d["a"].partition(".")[2]) - exponent
+            half_unit = Fraction(1, 2) * Fraction(10) ** -places * scale
+        return sign * a * Fraction(10) ** exponent * scale, half_unit
     return None
+
+
+def numbers_agree(answer: tuple[Fraction, Fraction | None],
+                  target: tuple[Fraction, Fraction | None], rel_tol: float | Fraction) -> bool:
+    """Whether an answer's number (to_number's) is the target's: equal, or within `rel_tol`
+    of the larger and within the precision either writes: the answer is the target rounded
+    at the answer's last digit (an integer answer: to a whole number), or the target is a
+    decimal and the answer rounds to it. So 3.333 is 10/3 and 94 is 93.98, but 162100.0 is
+    not 162213: a decimal's digits claim no more than they hold, and an integer or fraction
+    target is exact."""
+    (a, a_half), (t, t_half) = answer, target
+    if a == t:
+        return True
+    if a_half is None and t_half is None:
+        return False  # exact both: no slack
+    if a_half is None:
+        a_half = Fraction(1, 2) if a.denominator == 1 else Fraction(0)
+    slack = max(a_half, t_half or Fraction(0))
+    return abs(a - t) <= min(slack, Fraction(rel_tol) * max(abs(a), abs(t)))
 
 
 def answers_equal(answer: str, reference: str) -> bool:
@@ -185,10 +213,7 @@ def answers_equal(answer: str, reference: str) -> bool:
         return False
     x, y = to_number(a), to_number(r)
     if x is not None and y is not None:
-        (x, x_dec), (y, y_dec) = x, y
-        if x == y:
-            return True
-        return (x_dec or y_dec) and abs(x - y) <= _TOLERANCE * max(abs(x), abs(y))
+        return numbers_agree(x, y, _TOLERANCE)
     return "".join(a.split()).casefold() == "".join(r.split()).casefold()
 
 
@@ -227,6 +252,7 @@ def answer_format(prompts, completions, targets, metas):
 # numeric answers (tasks/numeric.py): a number against a number, within a relative tolerance
 
 REL_TOL = 1e-3  # where either side is a decimal: 3.333 for 10/3 counts, 3.3 does not
+# (numbers_agree: and within the precision the decimal is written to)
 
 
 def _numeric_row(completion: str, target: str, rel_tol: float) -> float | None:
@@ -239,16 +265,15 @@ def _numeric_row(completion: str, target: str, rel_tol: float) -> float | None:
         return 0.0
     if got is None:
         return 0.0
-    (a, a_dec), (t, t_dec) = got, reference
-    return float(a == t or ((a_dec or t_dec) and abs(a - t) <= rel_tol * abs(t)))
+    return float(numbers_agree(got, reference, rel_tol))
 
 
 @register("numeric_answer")
 def numeric_answer(prompts, completions, targets, metas):
     """1.0 when the completion's answer (its <answer> tag, \\boxed{} or `####`, else its last
     number) is the target's number: exactly, or where either is written as a decimal within
-    a relative tolerance (REL_TOL, or the row's meta `rel_tol`); else 0.0. None for a target
-    that is no number."""
+    a relative tolerance (REL_TOL, or the row's meta `rel_tol`) and the precision it is
+    written to (numbers_agree); else 0.0. None for a target that is no number."""
     out = []
     for c, t, m in zip(completions, targets, metas):
         tol = m.get("rel_tol", REL_TOL) if isinstance(m, dict) else REL_TOL

@@ -19,7 +19,8 @@ Kinds (`task_args.kinds`, all by default, drawn uniformly):
 
 The held-out questions are drawn first and are distinct; training questions never repeat a
 held-out prompt. Rewards (rewards/answers.py): 0.9 numeric_answer + 0.1 numeric_format: the
-answer in the tags, else the completion's last number, within a relative tolerance of 1e-3;
+answer in the tags, else the completion's last number, within a relative tolerance of 1e-3
+and the precision a decimal is written to (answers.numbers_agree);
 the small format share gives a group in which nothing is right yet a gradient towards the
 asked form. Evaluation extras: `correct` and `tagged` (the answer in the asked tags, right or
 wrong) columns, results by kind, and two trivial answers
