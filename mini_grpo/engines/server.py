@@ -22,7 +22,8 @@ time: the engine is not thread-safe, and the requests of several ranks queue):
                           from the trainer, in that order, into reload_weights -> {"seconds"}
     POST /close_weights   leaves the pair group
 
-A bad request is answered 400 with {"error": one line}; the server goes on.
+A bad request is answered 400 with {"error": one line}, an endpoint's failure 500; the
+server goes on. A request whose bytes stop coming for READ_TIMEOUT_S is dropped.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ from .vllm import _summary, build_llm, engine_dtype, import_vllm, reload, shutdo
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BODY = 1 << 30  # a generate request of 1 GiB of JSON is more than any step sends
 MAX_NUMEL = 1 << 36  # per tensor
+# a request's bytes arrive within this, or its connection is dropped: the server answers one
+# request at a time, so a peer that stalls mid-body would hold it for every rank
+READ_TIMEOUT_S = 60.0
 
 
 class BadRequest(ValueError):
@@ -110,9 +114,10 @@ class Server:
         host, port = body.get("host"), body.get("port")
         if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536:
             raise BadRequest("init_weights: needs host (a string) and port (1..65535)")
-        self.close_weights(None)
-        backend_device = torch.device(body.get("device", "cpu"))
-        device = self.device if backend_device.type == "cuda" == self.device.type else \
+        if body.get("device", "cpu") not in ("cpu", "cuda"):
+            raise BadRequest("init_weights: device must be \"cpu\" or \"cuda\"")
+        self.close_weights(None)  # checked first: a bad request leaves the live group be
+        device = self.device if body.get("device") == "cuda" == self.device.type else \
             torch.device("cpu")
 
         def join():
@@ -185,6 +190,10 @@ def _json(raw: bytes) -> dict:
     return body
 
 
+def _line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _numel(shape: list[int]) -> int:
     n = 1
     for d in shape:
@@ -217,6 +226,8 @@ def handler(server: Server, lock: threading.Lock):
               ("POST", "/close_weights"): server.close_weights}
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # the connection's socket: a stalled peer is dropped
+
         def _serve(self, method: str):
             fn = routes.get((method, self.path))
             if fn is None:
@@ -225,14 +236,23 @@ def handler(server: Server, lock: threading.Lock):
                 body = {}
                 if method == "POST":
                     n = int(self.headers.get("Content-Length") or 0)
-                    if n > MAX_BODY:
-                        raise BadRequest(f"body of {n} bytes (at most {MAX_BODY})")
+                    if not 0 <= n <= MAX_BODY:
+                        raise BadRequest(f"Content-Length {n}: must be 0..{MAX_BODY}")
                     body = _json(self.rfile.read(n)) if n else {}
+            except TimeoutError:  # the body did not come: no one is left to answer
+                self.close_connection = True
+                return
+            except (BadRequest, ValueError) as e:
+                return self._reply(400, {"error": _line(e)})
+            try:
                 with lock:
                     out = fn(body)
             except (BadRequest, ValueError) as e:
-                return self._reply(400, {"error": str(e).splitlines()[0] if str(e) else
-                                         type(e).__name__})
+                return self._reply(400, {"error": _line(e)})
+            except Exception as e:  # the server goes on; the caller gets one line
+                print(f"[mini-grpo] vllm-serve: {self.path}: {type(e).__name__}: {_line(e)}",
+                      flush=True)
+                return self._reply(500, {"error": f"{type(e).__name__}: {_line(e)}"})
             self._reply(200, out)
 
         def _reply(self, code: int, obj: dict):
