@@ -251,13 +251,16 @@ def cleanup(wait: bool = True) -> None:
 class PairGroup:
     """A process group of its own, outside the default one: a trainer rank and an engine
     server that push weights to each other (engines/server.py), on loopback or across nodes.
-    Rank 0 hosts the rendezvous store at host:port. gloo on a CPU, NCCL between GPUs."""
+    Rank 0 hosts the rendezvous store at host:port, on `listener` (a socket bound to host
+    and listening) where given: TCPStore alone binds every interface, and the store lives as
+    long as the group. gloo on a CPU, NCCL between GPUs."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int,
-                 device: torch.device, timeout_s: float = 600.0):
+                 device: torch.device, timeout_s: float = 600.0, listener=None):
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
-                                   timeout=timeout)
+        fd = {} if listener is None else {"master_listen_fd": listener.detach()}  # the
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0,  # store's
+                                   timeout=timeout, **fd)  # now: it closes it
         if device.type == "cuda":
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
         else:

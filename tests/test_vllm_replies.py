@@ -4,6 +4,7 @@ what is wrong, never a traceback, a hang past `vllm_server_timeout`, or a rollou
 No vLLM needed: the client alone is under test."""
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,8 +65,12 @@ def engine(policy, url, timeout=30):
 
 def health(policy, **change):
     good = {"config": engine_config(policy[0], torch.float32), "dtype": "float32",
-            "device": "cpu"}
+            "device": "cpu", "max_model_len": 4096}
     return json.dumps({**good, **change}).encode()
+
+
+def other_config(policy, **change):
+    return {**engine_config(policy[0], torch.float32), **change}
 
 
 @pytest.mark.parametrize("reply, needle", [
@@ -76,9 +81,19 @@ def health(policy, **change):
     ({"dtype": None}, "dtype None, not one of float32"),
     ({"dtype": "__class__"}, "dtype '__class__', not one of"),
     ({"device": ["cuda"]}, "device"),
+    # the same sizes computing another model: only the sizes had been compared
+    (lambda p: {"config": other_config(p, rope_theta=1.0)}, "another model (rope_theta 1.0"),
+    (lambda p: {"config": other_config(p, rms_norm_eps=0.5)}, "(rms_norm_eps 0.5"),
+    (lambda p: {"config": other_config(p, rope_parameters={"rope_type": "linear",
+                                                           "factor": 8})},
+     "(rope_scaling {'rope_type': 'linear', 'factor': 8.0}"),
+    (lambda p: {"config": other_config(p, model_type="bert")}, "a model config it cannot be"),
+    ({"max_model_len": 4}, "holds sequences of 4 tokens (max_model_len), fewer than"),
+    ({"max_model_len": None}, "holds sequences of None tokens"),
 ])
 def test_bad_health_replies_are_refused_at_start(policy, server, reply, needle):
     url, replies = server
+    reply = reply(policy) if callable(reply) else reply
     replies["/health"] = health(policy, **reply) if isinstance(reply, dict) else reply
     with pytest.raises((ConfigError, EngineError)) as e:
         engine(policy, url)
@@ -100,11 +115,14 @@ PROMPTS = ["e2e4 e7e5", "d2d4"]
     ({"token_ids": [[5, 6], [5]], "logprobs": [[-1.0], [-1.0]]}, "one log-prob per token"),
     ({"token_ids": [[5] * 9, [5]], "logprobs": [[-1.0] * 9, [-1.0]]}, "lists of 1 to 8"),
     ({"token_ids": "x", "logprobs": []}, "token_ids: 2 rows asked, got str"),
+    (lambda eos: {"token_ids": [[5, eos, 6], [5]], "logprobs": [[-1.0] * 3, [-1.0]]},
+     "row 0: tokens after an EOS"),
 ])
 def test_bad_rollouts_are_one_line_and_never_trained_on(policy, server, reply, needle):
     url, replies = server
     replies["/health"] = health(policy)
     eng = engine(policy, url)
+    reply = reply(policy[1].eos_id) if callable(reply) else reply
     replies["/generate"] = json.dumps(reply).encode()
     with pytest.raises(EngineError, match="sent a bad rollout") as e:
         eng.generate(PROMPTS, Sampling(max_new_tokens=8))
@@ -291,3 +309,68 @@ def test_a_peer_that_stalls_mid_request_does_not_hold_vllm_serve(served):
             assert json.loads(r.read()) == {"ok": 1}
     finally:
         stalled.close()
+
+
+def test_a_server_that_never_joins_the_weight_transfer_is_one_line(policy, server):
+    """It accepted /init_weights and never joined: torch's DistStoreError had escaped as a
+    traceback."""
+    url, replies = server
+    replies["/health"] = health(policy)
+    replies["/init_weights"] = b"{}"
+    eng = engine(policy, url, timeout=2)
+    with pytest.raises(EngineError, match="did not join the weight transfer at 127.0.0.1:"):
+        eng.sync(policy[0])
+
+
+def _listening(port: int) -> list[str]:
+    """The addresses a TCP port of this machine listens on (hex, as /proc/net gives them)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    out.append(local.rsplit(":", 1)[0])
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net")
+def test_the_weight_transfer_listens_on_the_address_it_gives_alone():
+    """The trainer's rendezvous for the weight push listened on every interface for the
+    whole run (TCPStore binds them all), though it gives the server one address."""
+    import socket
+
+    from mini_grpo import distributed as D
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    joined = []
+    server = threading.Thread(target=lambda: joined.append(
+        D.PairGroup("127.0.0.1", port, 1, 2, torch.device("cpu"), 30)), daemon=True)
+    server.start()
+    group = D.PairGroup("127.0.0.1", port, 0, 2, torch.device("cpu"), 30, listener)
+    server.join(30)
+    assert joined and _listening(port) == ["0100007F"]  # 127.0.0.1, no other
+    t = torch.arange(4.0)
+    other = torch.zeros(4)
+    done = threading.Thread(target=lambda: joined[0].broadcast(other, src=0))
+    done.start()
+    group.broadcast(t, src=0)
+    done.join(30)
+    assert other.tolist() == [0.0, 1.0, 2.0, 3.0]
+    group.close()
+    joined[0].close()
+
+
+def test_a_server_of_the_policy_s_gguf_file_serves_the_same_model(policy, server, tmp_path):
+    """A GGUF file's metadata holds float32 (rms_norm_eps 1e-6 reads 9.99999997e-07): its
+    server's model is the policy's all the same."""
+    from mini_grpo.engines.server import served_model
+    from mini_grpo.models.gguf import write_gguf
+
+    url, replies = server
+    gguf = write_gguf(policy[0], policy[1], tmp_path / "lm.gguf", "f32")
+    config = engine_config(served_model(str(gguf)), torch.float32)
+    assert config["rms_norm_eps"] != engine_config(policy[0], torch.float32)["rms_norm_eps"]
+    replies["/health"] = health(policy, config=config)
+    engine(policy, url)  # accepted

@@ -8,7 +8,8 @@ from a thread while it broadcasts. Under fsdp every rank gathers each weight as 
 (a collective); under ddp only rank 0 reads its replica. The other ranks wait at a barrier,
 so no rank samples from the old weights.
 
-The server's model is compared with the policy at start (the shapes in its config.json); an
+The server's model is compared with the policy at start (the architecture its config.json
+gives: sizes, rope, norms; and max_model_len against block_size); an
 unreachable server is a ConfigError then, and one that fails or dies mid-run an EngineError
 (exit 1, one line naming the URL): the last checkpoint is intact and the run resumes.
 """
@@ -30,10 +31,11 @@ import torch
 
 from .. import distributed as D
 from .. import fsdp
+from ..checkpoint import CheckpointError
 from ..fields import ConfigError
 from ..jsonio import check_tree
 from ..lora import merged
-from ..models.hf import hf_tensors
+from ..models.hf import hf_spec, hf_tensors
 from .base import EngineError, Rollout, WeightsSeen
 from .protocol import (
     check_servable,
@@ -46,22 +48,18 @@ from .protocol import (
 )
 from .turns import ToolSetup, Turns
 
-# what must agree between the policy and the server's model
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers",
-              "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
-              "intermediate_size", "n_inner", "head_dim")
+# what a rollout does not depend on: the longest sequence (max_model_len is checked on its
+# own), dropout, and a tied head (the engine's is untied: protocol.engine_config)
+_NOT_COMPARED = ("block_size", "dropout", "tie_word_embeddings")
 
 
-def shapes(config: dict) -> dict:
-    """The SHAPE_KEYS of a config.json, with the sizes HF implies when a key is absent (a GGUF
-    file's config states head_dim and num_key_value_heads; a directory's may leave them out)."""
-    out = {k: config.get(k) for k in SHAPE_KEYS}
-    heads, width = out["num_attention_heads"], out["hidden_size"]
-    if out["num_key_value_heads"] is None:
-        out["num_key_value_heads"] = heads
-    if out["head_dim"] is None and isinstance(heads, int) and isinstance(width, int) and heads:
-        out["head_dim"] = width // heads
-    return out
+def architecture(config: dict) -> dict:
+    """What must agree between the policy and the server's model, from a config.json: our
+    model spec (hf_spec: sizes, rope, norms, biases, activation), less _NOT_COMPARED.
+    A server's config is untrusted: CheckpointError (or KeyError, TypeError) if bad."""
+    spec = hf_spec(config)
+    return {"family": spec["family"],
+            **{k: v for k, v in spec["config"].items() if k not in _NOT_COMPARED}}
 
 
 MAX_REPLY_BYTES = 1 << 28  # a rollout of thousands of rows is a few MB of JSON
@@ -105,12 +103,22 @@ class ServerEngine:
             raise bad(f"dtype {repr(info.get('dtype'))[:40]}, not one of {', '.join(DTYPES)}")
         if info.get("device") not in ("cpu", "cuda"):
             raise bad(f"device {repr(info.get('device'))[:40]}")
-        ours, theirs = shapes(engine_config(model, torch.float32)), shapes(info["config"])
-        for key in SHAPE_KEYS:
-            if ours[key] != theirs[key]:
+        ours = architecture(engine_config(model, torch.float32))
+        try:
+            theirs = architecture(info["config"])
+        except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            raise bad(f"a model config it cannot be ({_gist(e)[:200]})") from None
+        for key in ours:  # sizes, and what the same sizes can compute otherwise (rope, eps)
+            if not _same(ours[key], theirs.get(key)):
                 raise ConfigError(f"vllm_server_url: the server at {self.url} serves another "
-                                  f"model ({key} {str(theirs[key])[:40]!r}, the policy's "
-                                  f"{ours[key]!r})")
+                                  f"model ({key} {str(theirs.get(key))[:60]}, the policy's "
+                                  f"{ours[key]})")
+        longest = info.get("max_model_len")
+        if type(longest) is not int or longest < cfg.block_size:
+            raise ConfigError(f"vllm_server_url: the server at {self.url} holds sequences of "
+                              f"{str(longest)[:40]} tokens (max_model_len), fewer than the "
+                              f"run's block_size ({cfg.block_size}): start it with "
+                              f"--max_model_len {cfg.block_size}, or lower block_size")
         self.dtype = getattr(torch, info["dtype"])
         self.nccl = info["device"] == "cuda" and device.type == "cuda"
         self.vocab = model.cfg.vocab_size
@@ -206,8 +214,8 @@ class ServerEngine:
             body["max_tokens"] = budgets
         out = self._call("POST", "/generate", body)
         try:
-            check_rollout(out, len(prompts), self.vocab, options["max_tokens"],
-                          budgets)
+            check_rollout(out, len(prompts), self.vocab, options["max_tokens"], budgets,
+                          set(self.tok.eos_ids))
         except (KeyError, TypeError, ValueError) as e:
             raise EngineError(f"the vLLM server at {self.url} sent a bad rollout: {e}") \
                 from None
@@ -226,11 +234,21 @@ class ServerEngine:
 
     def _push(self, model) -> None:
         if self.group is None:
-            host, port = _reachable_address(self.url), _free_port()
+            host = _reachable_address(self.url)
+            listener = socket.create_server((host, 0))  # there alone, not every interface
+            port = listener.getsockname()[1]
             device = self.device if self.nccl else torch.device("cpu")
-            self._call("POST", "/init_weights", {"host": host, "port": port,
-                                                 "device": device.type})
-            self.group = D.PairGroup(host, port, 0, 2, device, self.timeout)
+            try:
+                self._call("POST", "/init_weights", {"host": host, "port": port,
+                                                     "device": device.type})
+                self.group = D.PairGroup(host, port, 0, 2, device, self.timeout, listener)
+            except EngineError:
+                raise
+            except (RuntimeError, OSError) as e:  # the server never joined (DistStoreError)
+                raise EngineError(f"the vLLM server at {self.url} did not join the weight "
+                                  f"transfer at {host}:{port}: {_gist(e)}") from None
+            finally:
+                listener.close()  # detached by the group, or never used
         device = self.group.device
         shapes = ((n, torch.empty(t.shape, dtype=t.dtype, device="meta"))
                   for n, t in model.state_dict().items())
@@ -271,11 +289,11 @@ class ServerEngine:
 
 
 def check_rollout(out: dict, rows: int, vocab: int, max_new_tokens: int,
-                  budgets: list[int] | None = None) -> None:
+                  budgets: list[int] | None = None, eos_ids=()) -> None:
     """A server's /generate reply, as untrusted as a file: one row per prompt, each of 1 to
     max_new_tokens (or the row's budget) token ids in the vocabulary (ints, not bools or
-    floats) and as many finite log-probs <= 0; ValueError naming the field and row
-    otherwise."""
+    floats), an EOS (`eos_ids`) as its last at most, and as many finite log-probs <= 0;
+    ValueError naming the field and row otherwise."""
     toks, lps = out.get("token_ids"), out.get("logprobs")
     for name, v in (("token_ids", toks), ("logprobs", lps)):
         if not isinstance(v, list) or len(v) != rows:
@@ -289,8 +307,20 @@ def check_rollout(out: dict, rows: int, vocab: int, max_new_tokens: int,
                              f"{most} items, one log-prob per token")
         if not all(type(x) is int and 0 <= x < vocab for x in t):
             raise ValueError(f"row {i}: token_ids must be integers in 0..{vocab - 1}")
+        if any(x in eos_ids for x in t[:-1]):  # a row stops at its EOS: tokens after one
+            raise ValueError(f"row {i}: tokens after an EOS")  # would be trained on
         if not all(type(x) in (int, float) and math.isfinite(x) and x <= 1e-3 for x in lp):
             raise ValueError(f"row {i}: logprobs must be finite numbers <= 0")
+
+
+def _same(a, b) -> bool:
+    """Equal, floats to float32's precision (a GGUF file's metadata holds float32: its
+    rms_norm_eps 1e-6 reads 9.99999997e-07); a dict's values alike."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if float in (type(a), type(b)) and {type(a), type(b)} <= {int, float}:
+        return math.isclose(a, b, rel_tol=1e-6)
+    return type(a) is type(b) and a == b
 
 
 def _gist(e: BaseException) -> str:
@@ -307,8 +337,3 @@ def _reachable_address(url: str) -> str:
         s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
         return s.getsockname()[0]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
