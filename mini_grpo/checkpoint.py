@@ -354,10 +354,14 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
     return {**meta, "sharded": str(path)}
 
 
-def latest_checkpoint(directory: str | Path, map_location="cpu", mmap: bool = False):
-    """(path, state) of the newest checkpoint that loads, or (None, None); warns on bad ones.
-    `mmap`: its tensors mapped, read only where used."""
+def latest_checkpoint(directory: str | Path, map_location="cpu", mmap: bool = False,
+                      step: int | None = None):
+    """(path, state) of the newest checkpoint that loads (of that `step` alone, where
+    given), or (None, None); warns on bad ones. `mmap`: its tensors mapped, read only where
+    used."""
     for path in reversed(list_checkpoints(directory)):
+        if step is not None and int(_NAME.match(path.name).group(1)) != step:
+            continue
         try:
             return path, load_checkpoint(path, map_location, mmap)
         except CheckpointError as e:

@@ -47,7 +47,7 @@ class GRPOConfig:
     resume: str = opt("auto", "run")  # auto | never | path to a checkpoint
     # which stages the train job runs; rft = SFT, then RFT data from it, then SFT on that data;
     # rft_grpo = RFT from init_from's model (data, then SFT on it), then GRPO
-    mode: Literal["sft_grpo", "sft", "grpo", "rft", "rft_grpo"] = opt("sft_grpo", "run")
+    mode: Literal["sft_grpo", "sft", "grpo", "rft", "rft_grpo"] = opt("sft_grpo", "run resume")
     # weights (and tokenizer) that start the run, before SFT: one of our checkpoints, or a local
     # Hugging Face model directory (config.json + safetensors + tokenizer files)
     init_from: str = opt("", "sft resume_lora")

@@ -31,8 +31,8 @@ from .options import keys_with
 from .outputs import write_file
 from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
-from .run import Run, setup
-from .sft import finished_stage, sft_dir, train_sft
+from .run import Run, setup, start_afresh
+from .sft import finished_stage, load_stage, sft_dir, stage_inputs, train_sft
 from .tasks import load_jsonl
 from .trainer import TimeLimit, train_grpo
 
@@ -50,23 +50,32 @@ def train(cfg) -> dict:
     stages = STAGES[cfg.mode]
     started = time.monotonic()  # max_minutes counts from here: loading the model included
     with setup(cfg) as run:
-        resume, changed = find_resume(run) if "grpo" in stages else (None, [])
+        resume, changed, where = find_resume(run) if "grpo" in stages else (None, [], None)
+        if cfg.resume == "never" and run.dist.is_main:  # now that the run can go on
+            start_afresh(Path(cfg.out_dir), run.logger.tb_file if run.logger else None)
         if run.logger:  # a killed run's rows past where this one continues are logged again
-            run.logger.cut(logged_until(cfg, stages, resume))
+            run.logger.cut(logged_until(run, stages, resume, where))
             if changed:
                 run.logger.event(resume["step"], "resumed with changed options: "
                                  + ", ".join(changed))
+        if cfg.max_minutes and "grpo" not in stages:
+            run.print0(f"[mini-grpo] max_minutes {cfg.max_minutes:g}: only GRPO stops at the "
+                       f"limit, and mode {cfg.mode} has no GRPO stage: its stages run to "
+                       f"their end")
         if run.dist.is_main:
             cfg.save(Path(cfg.out_dir) / "config.yaml")
         amp = True  # autocast trusted; a stage whose guard cuts it hands fp32 on (state.py)
         result = {}
         if stages[0] == "sft" and cfg.init_from and "rft" not in stages:
             result = first_eval(run, resume, amp)  # the model SFT starts from: the table's base
-        if "sft" in stages:
+        if resume is not None:  # GRPO goes on from its checkpoint: the stages before it
+            amp = resumed_reference(run, resume, stages, amp)  # are not trained again
+        elif "sft" in stages:
             amp = train_sft(run, amp=amp)
         if "rft" in stages:  # what SFT (or init_from) left: the evaluation's and RFT's
             result = first_eval(run, resume, amp)
-            amp = run_rft(run, amp)
+            if resume is None:
+                amp = run_rft(run, amp)
         last = None  # GRPO's last step, where max_minutes ends it before max_steps
         if "grpo" in stages:
             run.freeze_reference()  # the policy GRPO starts from, before resumed weights
@@ -148,36 +157,74 @@ def rft_dir(cfg) -> Path:
     return Path(cfg.out_dir) / "rft"
 
 
-def logged_until(cfg, stages: tuple, resume: dict | None) -> int | None:
+def logged_until(run: Run, stages: tuple, resume: dict | None,
+                 where: Path | None = None) -> int | None:
     """How much of metrics.jsonl this job continues from: what the GRPO checkpoint it
-    resumes, or else the last finished stage it reuses, had logged when saved; 0 when every
-    stage starts afresh (None: a checkpoint from before it was recorded, kept as it is)."""
+    resumes (from `where`), or else the last finished stage it reuses, had logged when
+    saved; 0 when every stage starts afresh (None: as it is: a checkpoint from before it was
+    recorded, or one of another run directory, whose log is not this one)."""
+    cfg = run.cfg
     if resume is not None:
-        return resume.get("logged")
-    reused = [finished_stage(cfg, d, n, tag) for tag, d, n in (
-        ("sft", sft_dir(cfg), cfg.sft_steps), ("rft", rft_dir(cfg) / "sft", cfg.rft_sft_steps))
-        if tag in stages]
+        ours = where is not None and where.resolve().parent == \
+            (Path(cfg.out_dir) / "checkpoints").resolve()
+        return resume.get("logged") if ours else None
+    reused = []
+    if "sft" in stages:
+        reused.append(finished_stage(cfg, sft_dir(cfg), cfg.sft_steps, "sft",
+                                     inputs=stage_inputs(run, run.task.train)))
+    data = rft_dir(cfg) / "data.jsonl"
+    if "rft" in stages and data.is_file():
+        try:
+            rows = load_jsonl(data)
+        except (ConfigError, OSError):  # made again by the stage (replace_stale)
+            rows = None
+        if rows is not None:
+            reused.append(finished_stage(cfg, data.parent / "sft", cfg.rft_sft_steps, "rft",
+                                         inputs=stage_inputs(run, rows, "rft")))
     reused = [found for found in reused if found is not None]
     return reused[-1][1].get("logged") if reused else 0
 
 
-def find_resume(run: Run) -> tuple[dict | None, list[str]]:
+def resumed_reference(run: Run, resume: dict, stages: tuple, amp: bool) -> bool:
+    """Where GRPO resumes after SFT or RFT, the model it started from is the KL reference
+    (beta > 0): that stage's weights, as the checkpoint's run trained them, go into
+    run.model (freeze_reference copies them; the checkpoint's weights come after). Neither
+    stage is trained again: a stage of other options (an sft_lr changed on resume) had
+    been, and GRPO went on against another reference. Returns the autocast verdict."""
+    cfg = run.cfg
+    tag = "rft" if "rft" in stages else "sft" if "sft" in stages else None
+    if tag is None or not cfg.beta:
+        return amp
+    saved = load_config(None, env={}, base=resume["config"])  # checked by check_resume
+    directory, steps = (rft_dir(cfg) / "sft", saved.rft_sft_steps) if tag == "rft" else \
+        (sft_dir(cfg), saved.sft_steps)
+    found = finished_stage(saved, directory, steps, tag)
+    if found is None:
+        raise ConfigError(f"resume: the {tag.upper()} stage this GRPO checkpoint started from "
+                          f"({directory}, step {steps}) is gone or was trained again with "
+                          f"other options, and with beta {cfg.beta:g} it is the KL reference; "
+                          f"resume: never starts the run again")
+    run.print0(f"[{tag}] the KL reference: the stage GRPO started from, {found[0]}")
+    return amp and load_stage(run, found)
+
+
+def find_resume(run: Run) -> tuple[dict | None, list[str], Path | None]:
     """The GRPO checkpoint to continue from (resume: auto | never | PATH), checked against
-    this run's config, and the options that changed since it (check_resume); stale
-    temporary files of killed writes are removed first."""
+    this run's config, the options that changed since it (check_resume), and its path;
+    stale temporary files of killed writes are removed first."""
     cfg = run.cfg
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
     if run.dist.is_main:
         clean_stale_temps(ckpt_dir)
     if cfg.resume == "never":
-        return None, []
+        return None, [], None
     if cfg.resume == "auto":
         path, state = latest_checkpoint(ckpt_dir)
         if state is None:
-            return None, []
+            return None, [], None
     else:
-        path, state = cfg.resume, load_checkpoint(cfg.resume)
-    return state, check_resume(run, state, str(path))
+        path, state = Path(cfg.resume), load_checkpoint(cfg.resume)
+    return state, check_resume(run, state, str(path)), path
 
 
 def check_resume(run: Run, state: dict, path: str) -> list[str]:

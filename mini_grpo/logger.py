@@ -39,10 +39,25 @@ class RunLogger:
 
     def cut(self, size: int | None) -> None:
         """metrics.jsonl back to `size` bytes (None: as it is): the rows a killed run logged
-        after the checkpoint this one continues from, which it logs again."""
-        if size is not None and 0 <= size < self.jsonl.size:
-            os.truncate(self.jsonl.path, size)
-            self.jsonl.size = size
+        after the checkpoint this one continues from, which it logs again. Only at the end
+        of a row: a size that is not (a file edited since) leaves the file as it is."""
+        if size is None or not 0 <= size < self.jsonl.size:
+            return
+        if size:
+            with open(self.jsonl.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    print(f"[mini-grpo] {self.jsonl.path}: {size} bytes is not the end of a "
+                          f"row; nothing cut", file=sys.stderr, flush=True)
+                    return
+        os.truncate(self.jsonl.path, size)
+        self.jsonl.size = size
+
+    @property
+    def tb_file(self) -> Path | None:
+        """This run's TensorBoard event file (None: no TensorBoard)."""
+        name = getattr(getattr(self.tb, "event_writer", None), "_file_name", None)
+        return None if name is None else Path(name)
 
     def start_clock(self, step: int) -> None:
         """ETAs count from here: call when the timed loop starts at `step` (0 = fresh)."""

@@ -268,7 +268,8 @@ _EVENTS = re.compile(r"events\.out\.tfevents\..*")  # TensorBoard's files
 def claim_out_dir(cfg: GRPOConfig, dist: D.DistInfo) -> int | None:
     """Rank 0 takes out_dir for this run (outputs.claim_run_dir: new, empty or a run's, and
     locked) and checks every output the run writes there, so that nothing is refused after
-    the work; `resume: never` clears the run before's checkpoints and logs. Every rank
+    the work (`resume: never` clears the run before's checkpoints and logs later, once the
+    run is set up: job.train). Every rank
     raises rank 0's refusal. Returns rank 0's locked claim (None on the others)."""
     claim = why = None
     if dist.is_main:
@@ -284,8 +285,6 @@ def claim_out_dir(cfg: GRPOConfig, dist: D.DistInfo) -> int | None:
                                       f"writes there; not overwritten (move it away)")
             for name, owned in (("hf", WRITTEN), ("adapter", ADAPTER_FILES)):
                 check_replaceable(out / name, owned)
-            if cfg.resume == "never":
-                start_afresh(out)
         except ConfigError as e:
             if claim is not None:
                 os.close(claim)
@@ -296,15 +295,16 @@ def claim_out_dir(cfg: GRPOConfig, dist: D.DistInfo) -> int | None:
     return claim
 
 
-def start_afresh(out: Path) -> None:
-    """`resume: never` in a run directory: the run before's checkpoints (ours alone), metrics
-    and TensorBoard events go, so that neither this run's logs nor a later resume mix the two
-    runs; a finished SFT or RFT stage stays (it is reused only where its options match)."""
+def start_afresh(out: Path, keep: Path | None = None) -> None:
+    """`resume: never` in a run directory, once the run is set up (a refused config must not
+    have cost the run before its files): that run's checkpoints (ours alone) and TensorBoard
+    events (but `keep`, this run's) go, so that neither this run's logs nor a later resume
+    mix the two runs; its metrics.jsonl is cut by the job (job.logged_until), and a finished
+    SFT or RFT stage stays (it is reused only where its options and inputs match)."""
     discard_checkpoints(out / "checkpoints")
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    if (out / "tb").is_dir():
+    if (out / "tb").is_dir() and keep is not None:  # unknown: this run's might go too
         for f in (out / "tb").iterdir():
-            if _EVENTS.fullmatch(f.name) and f.is_file():
+            if _EVENTS.fullmatch(f.name) and f.is_file() and f != keep:
                 f.unlink()
 
 

@@ -2,8 +2,9 @@
 
 Its checkpoint lives in <out_dir>/sft/ (under fsdp as shards, `step_N.dcp/`); GRPO starts from
 it (policy and reference). A finished stage is reused when the job is restarted, but only
-when the options it was trained with (STAGE_KEYS) are the same and its weights are finite;
-otherwise it is trained again, and the console says why (shards are checked once read:
+when the options it was trained with (STAGE_KEYS), its tokenizer and the rows it trained on
+(a digest: a data file edited in place) are the same and its weights are finite; otherwise
+it is trained again, and the console says why (shards are checked once read:
 non-finite ones stop the job, naming them). The same NaN/Inf guard as GRPO's skips
 non-finite steps (AMP off, lr halved, stop) through the same TrainState, a stage whose
 weights end non-finite is never saved, and the stage hands its autocast verdict on (stored
@@ -12,6 +13,8 @@ with it, so a reused stage hands on the same).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -57,27 +60,58 @@ def stage_changes(saved: dict, cfg, tag: str = "sft") -> list[str]:
     return [k for k in STAGE_KEYS[tag] if saved.get(k) != now.get(k)]
 
 
-def finished_stage(cfg, directory: Path, steps: int, tag: str, say=None):
-    """(path, state) of the finished stage in `directory` if it can be reused, else None
-    (`say`: told why not). Its tensors are mapped, not read: the job asks once for what it
-    logged (job.logged_until), the stage again for its weights."""
-    path, state = latest_checkpoint(directory, mmap=True)
+def stage_inputs(run: Run, examples, tag: str = "sft") -> dict:
+    """What a stage trains on besides its options, as its checkpoint records it: the
+    tokenizer, and a digest of its rows as SFT reads them (a data file edited in place
+    keeps its name, so the options alone did not tell; nor an RFT file made again)."""
+    multi_turn = bool(run.cfg.tools or run.cfg.environment)
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(json.dumps([ex.model_input, _sft_target(ex, multi_turn)]).encode())
+        digest.update(b"\n")
+    return {"tokenizer": run.tok.state(), "data": f"{tag}:{digest.hexdigest()}"}
+
+
+def finished_stage(cfg, directory: Path, steps: int, tag: str, say=None,
+                   inputs: dict | None = None):
+    """(path, state) of the stage of `steps` steps in `directory` if it can be reused, else
+    None (`say`: told why not): trained with these options and, where given, these `inputs`
+    (stage_inputs). Its tensors are mapped, not read: the job asks once for what it logged
+    (job.logged_until), the stage again for its weights."""
+    path, state = latest_checkpoint(directory, mmap=True, step=steps)
     if state is None or state.get("step") != steps:
         return None
-    changed = stage_changes(state.get("config") or {}, cfg, tag)
-    if changed:
+    why = [f"other {k}" for k in stage_changes(state.get("config") or {}, cfg, tag)]
+    why += [f"another {k}" if k == "tokenizer" else f"other {k}" for k, v in
+            (inputs or {}).items() if state.get(k) != v]
+    if why:
         if say:
-            say(f"[{tag}] not reusing {path}: trained with other {', '.join(changed)}")
+            say(f"[{tag}] not reusing {path}: trained with {', '.join(why)}")
         return None
     return path, state
 
 
-def _reusable(run: Run, directory: Path, steps: int, tag: str):
+def _reusable(run: Run, directory: Path, steps: int, tag: str, inputs: dict):
     """The finished stage's checkpoint if it can be reused, else None (says why)."""
-    found = finished_stage(run.cfg, directory, steps, tag, run.print0)
+    found = finished_stage(run.cfg, directory, steps, tag, run.print0, inputs)
     if found is not None:
         run.print0(f"[{tag}] reusing finished stage from {found[0]}")
     return found
+
+
+def load_stage(run: Run, found) -> bool:
+    """A finished stage's weights into run.model, and the RNG where it left it (dropout
+    draws on after it); returns its autocast verdict. Never saved non-finite, but a file
+    may lie: checked once read."""
+    path, ckpt = found
+    load_weights(ckpt, run.model, source=str(path))
+    if not finite_everywhere(run.model):
+        raise CheckpointError(f"{ckpt.get('sharded') or path}: its weights are not "
+                              f"finite; delete it to train the stage again")
+    rngs = ckpt.get("rng")
+    if isinstance(rngs, list) and rngs:
+        set_rng_state(rngs[min(run.dist.rank, len(rngs) - 1)], source=str(path))
+    return bool(ckpt.get("guard", {}).get("amp", True))
 
 
 def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag="sft",
@@ -94,17 +128,10 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     steps = cfg.sft_steps if steps is None else steps
     base_lr = cfg.sft_lr if lr is None else lr
     directory = sft_dir(cfg) if directory is None else Path(directory)
-    found = _reusable(run, directory, steps, tag)
-    if found is not None:  # never saved non-finite, but a file may lie: checked once read
-        path, ckpt = found
-        load_weights(ckpt, model, source=str(path))
-        if not finite_everywhere(model):
-            raise CheckpointError(f"{ckpt.get('sharded') or path}: its weights are not "
-                                  f"finite; delete it to train the stage again")
-        rngs = ckpt.get("rng")  # where the stage left the RNG (dropout draws on after it)
-        if isinstance(rngs, list) and rngs:
-            set_rng_state(rngs[min(dist.rank, len(rngs) - 1)], source=str(path))
-        return amp and bool(ckpt.get("guard", {}).get("amp", True))
+    inputs = stage_inputs(run, examples, tag)
+    found = _reusable(run, directory, steps, tag, inputs)
+    if found is not None:
+        return amp and load_stage(run, found)
     state = TrainState(run, base_lr, steps, min(cfg.warmup_steps * 5, steps // 10), amp=amp,
                        tag=tag)
     multi_turn = bool(cfg.tools or cfg.environment)
@@ -134,7 +161,7 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     if not params_finite(model.parameters()):
         raise NonFiniteError(f"{tag.upper()}: the weights are not finite after {steps} steps "
                              f"(lr {base_lr:g} too high?); nothing was saved")
-    path = state.save(steps, optimizer=False, directory=directory, keep=1)
+    path = state.save(steps, optimizer=False, directory=directory, keep=1, extra=inputs)
     run.print0(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
     return state.guard.amp
 

@@ -152,18 +152,18 @@ class TrainState:
 
     # ---- on disk
     def save(self, step: int, optimizer: bool = True, directory: str | Path | None = None,
-             keep: int | None = None) -> Path | None:
+             keep: int | None = None, extra: dict | None = None) -> Path | None:
         """A checkpoint of every rank's state (a collective: every rank calls it), written
         only from finite parameters (a NaN must never reach the disk): under fsdp every
         rank writes its shards, else rank 0 one file. `optimizer=False`: the weights, the
         guard and the step only (a finished SFT stage); `directory` and `keep` default to
-        the state's. Returns the path (None where this rank wrote nothing, or nothing was
-        written)."""
+        the state's; `extra`: more entries (a stage's inputs). Returns the path (None
+        where this rank wrote nothing, or nothing was written)."""
         meta = {"kind": self.tag, "step": step, "guard": self.guard.state_dict(),
                 "rng": D.all_gather_object(rng_state(self.gen)),  # every rank's
                 # metrics.jsonl's size: a run continuing from here cuts the rows after it
                 "logged": self.logger.jsonl.size if self.logger else None,
-                **self.identity}
+                **self.identity, **(extra or {})}
         if optimizer:
             meta["scaler"] = self.scaler.state_dict()
         if not finite_everywhere(self.model):

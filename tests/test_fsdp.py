@@ -163,7 +163,8 @@ def test_the_sft_stage_under_fsdp_is_saved_in_shards_and_reused(tmp_path):
     assert [p.name for p in list_checkpoints(out / "sft")] == ["step_0000004.dcp"]
     r = torchrun("distributed_train.py", *full, "--max_steps=2")  # GRPO resumes; SFT reused
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "reusing finished stage" in r.stdout and "resuming GRPO from step 1" in r.stdout
+    assert "the KL reference: the stage GRPO started from" in r.stdout and \
+        "resuming GRPO from step 1" in r.stdout
     # the shards hold the trained stage: the weights DDP trains (to rounding)
     ddp = tmp_path / "ddp"
     r = torchrun("distributed_train.py", *base, f"--out_dir={ddp}", "--mode=sft")

@@ -12,7 +12,7 @@ from conftest import events, metrics, ranks_env, tiny, tiny_gpt
 from fault_worker import installed
 
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint
-from mini_grpo.config import load_config
+from mini_grpo.config import ConfigError, load_config
 from mini_grpo.guards import Guard, GuardError, NonFiniteError
 from mini_grpo.job import train
 
@@ -206,3 +206,73 @@ def test_a_stage_saved_by_an_older_version_is_compared_after_migration():
     assert stage_changes(old, cfg) == []
     assert stage_changes({**old, "max_plies": 8}, cfg) == ["task_args"]
     assert stage_changes({**old, "lrr": 1}, cfg) == ["config (unreadable)"]
+
+
+def test_a_finished_stage_is_not_reused_after_its_data_file_changed_in_place(tmp_path, capsys):
+    """Only the data_path string was compared: a file edited in place (the same alphabet,
+    other targets) had its stale stage reused, and the run evaluated and exported it."""
+    data = tmp_path / "data.jsonl"
+    rows = lambda target: "".join(json.dumps({"prompt": f"q{i}:", "target": target}) + "\n"
+                                  for i in range(8))
+    data.write_text(rows("ab"))
+    opts = dict(mode="sft", sft_steps=3, task="jsonl", data_path=str(data), num_eval=2)
+    out = tmp_path / "run"
+    train(tiny(out, **opts))
+    train(tiny(out, **opts))
+    assert "[sft] reusing finished stage" in capsys.readouterr().out
+    data.write_text(rows("ba"))
+    train(tiny(out, **opts))
+    text = capsys.readouterr().out
+    assert "not reusing" in text and "trained with other data" in text and "[sft] done" in text
+
+
+def test_a_finished_stage_of_fewer_steps_beside_one_of_more_is_reused(tmp_path, capsys):
+    """sft_steps 8, then 4: both stages stay (prune keeps the later step). The newest was
+    the only one looked at, so the 4-step stage was trained again on every later run."""
+    out = tmp_path / "run"
+    for steps in (8, 4):
+        train(tiny(out, mode="sft", sft_steps=steps))
+    capsys.readouterr()
+    train(tiny(out, mode="sft", sft_steps=4))
+    text = capsys.readouterr().out
+    assert "[sft] reusing finished stage" in text and "step_0000004" in text
+    assert "[sft] done" not in text
+
+
+def test_grpo_resumed_under_other_sft_options_keeps_its_stage_and_reference(tmp_path, capsys):
+    """sft_lr changed on resume: the stage was trained again (its checkpoint overwritten, its
+    rows logged after GRPO's) and GRPO went on against the new stage as its KL reference
+    (kl 2.6e-7 at the last step, 5e-3 at the next). Now the stages before GRPO are not
+    trained again: the reference is the stage the checkpoint started from."""
+    out = tmp_path / "run"
+    opts = dict(mode="sft_grpo", sft_steps=4, save_every=1, num_eval=4, lr=1e-2)
+    train(tiny(out, max_steps=2, **opts))
+    stage = (out / "sft" / "step_0000004.pt").read_bytes()
+    straight = tmp_path / "straight"
+    train(tiny(straight, max_steps=3, **opts))
+    capsys.readouterr()
+    train(tiny(out, max_steps=3, **{**opts, "sft_lr": 2e-3}))
+    text = capsys.readouterr().out
+    assert "[sft] done" not in text and "the KL reference: the stage GRPO started from" in text
+    assert (out / "sft" / "step_0000004.pt").read_bytes() == stage
+    steps = [m["step"] for m in metrics(out) if "sft/loss" in m or "reward/mean" in m]
+    assert steps == [1, 2, 3, 4, 1, 2, 3]  # SFT's rows, then GRPO's: none logged again
+    kl = lambda d: [m["kl"] for m in metrics(d) if "kl" in m]
+    assert kl(out) == pytest.approx(kl(straight), rel=1e-4, abs=1e-9)
+    # nor does a checkpoint go on under another mode (its reference was another model)
+    with pytest.raises(ConfigError, match="cannot resume with a different mode"):
+        train(tiny(out, max_steps=4, **{**opts, "mode": "grpo"}))
+
+
+def test_a_checkpoint_of_another_run_directory_leaves_this_one_s_log_whole(tmp_path):
+    """--resume=PATH of another directory: its byte count cut this directory's
+    metrics.jsonl, mid-row."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(tiny(a, mode="grpo", max_steps=1, save_every=1, num_eval=4))
+    train(tiny(b, mode="sft", sft_steps=30, num_eval=4))
+    before = (b / "metrics.jsonl").read_bytes()
+    assert len(before) > load_checkpoint(a / "checkpoints" / "step_0000001.pt")["logged"]
+    train(tiny(b, mode="grpo", max_steps=2, num_eval=4,
+               resume=str(a / "checkpoints" / "step_0000001.pt")))
+    assert (b / "metrics.jsonl").read_bytes().startswith(before)
+    metrics(b)  # every row JSON

@@ -14,11 +14,10 @@ import torch
 from conftest import ROOT, entry, metrics, tiny
 
 from mini_grpo.checkpoint import list_checkpoints, save_checkpoint
-from mini_grpo.distributed import DistInfo
 from mini_grpo.fields import ConfigError
 from mini_grpo.job import train
 from mini_grpo.outputs import MARKER, RUN_MARKER, claim_run_dir
-from mini_grpo.run import claim_out_dir, setup
+from mini_grpo.run import setup, start_afresh
 
 ARGS = ["--config", "tiny", "--mode=grpo", "--use_amp=false", "--reward_executor=serial",
         "--num_eval=4"]
@@ -137,8 +136,23 @@ def test_resume_never_removes_only_checkpoints_that_are_ours(tmp_path):
     (out / RUN_MARKER).write_text("")
     save_checkpoint({"model": {"w": torch.zeros(2)}, "step": 5}, out / "checkpoints", 5)
     torch.save({"model": {}}, out / "checkpoints" / "step_0000006.pt")  # not ours: stays
-    os.close(claim_out_dir(tiny(out, resume="never"), DistInfo()))
+    start_afresh(out)
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_0000006.pt"]
+
+
+def test_resume_never_under_a_config_that_is_refused_leaves_the_run_before_be(tmp_path):
+    """`resume: never` cleared the run before's checkpoints, metrics and events as it
+    claimed the directory, before the config was checked: a typo that setup refused had
+    cost that run's history."""
+    out = tmp_path / "run"
+    train(tiny(out, max_steps=1, save_every=1, num_eval=4))
+    files = lambda: sorted((str(p.relative_to(out)), p.stat().st_size)
+                           for p in out.rglob("*") if p.is_file() and p.name != ".lock")
+    before = files()
+    assert any("tfevents" in f for f, _ in before)
+    with pytest.raises(ConfigError, match="block_size: 8 is too small"):
+        train(tiny(out, max_steps=1, resume="never", block_size=8))
+    assert files() == before
 
 
 def test_a_killed_run_leaves_no_lock_behind(tmp_path):
