@@ -7,6 +7,7 @@ CLI's import-gguf, sample and export on GGUF files; bad files named in one line.
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -243,3 +244,65 @@ def test_vllm_serve_takes_a_gguf_files_shapes(tmp_path):
         served_model(str(tmp_path / "notes.gguf"))
     with pytest.raises(CheckpointError, match="missing.gguf: not found"):
         served_model(str(tmp_path / "missing.gguf"))
+
+
+def _string(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(v) -> bytes:
+    """A metadata value as GGUF stores it: its type, then its bytes."""
+    if isinstance(v, list):
+        item = 8 if v and isinstance(v[0], str) else 4
+        return struct.pack("<IIQ", 9, item, len(v)) + b"".join(_value(x)[4:] for x in v)
+    if isinstance(v, str):
+        return struct.pack("<I", 8) + _string(v)
+    kind, fmt = (7, "<?") if isinstance(v, bool) else (4, "<I") if isinstance(v, int) else \
+        (6, "<f")
+    return struct.pack("<I", kind) + struct.pack(fmt, v)
+
+
+def rewritten(file, out, meta=None, tensors=lambda ts: ts):
+    """GGUF file `file` written again as `out`, by hand (GGUFWriter refuses what these tests
+    write): its metadata updated by `meta` (None removes a key), its tensors, a list of
+    (name, torch-order shape, type, bytes), replaced by tensors(list)."""
+    f, raw = read_gguf(file), file.read_bytes()
+    keys = {k: v for k, v in {**f.meta, **(meta or {})}.items() if v is not None}
+    ts = tensors([(n, t.shape, t.qtype, raw[t.offset:t.offset + t.nbytes])
+                  for n, t in f.tensors.items()])
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(ts), len(keys))
+    head += b"".join(_string(k) + _value(v) for k, v in keys.items())
+    data = b""
+    for name, shape, qtype, blob in ts:
+        head += _string(name) + struct.pack("<I", len(shape)) + \
+            b"".join(struct.pack("<Q", d) for d in reversed(shape)) + \
+            struct.pack("<IQ", qtype, len(data))
+        data += blob + bytes(-len(blob) % 32)  # general.alignment: 32
+    out.write_bytes(head + bytes(-len(head) % 32) + data)
+    return out
+
+
+def refused(path, message):
+    with pytest.raises(CheckpointError) as e:
+        load_gguf(path)
+    assert str(e.value) == message
+
+
+def test_a_tensor_of_a_type_no_weight_comes_in_is_refused_in_one_line(tmp_path, monkeypatch):
+    """An integer (or F64) tensor is refused by its type before any byte is read; a type
+    the gguf package cannot dequantize is one line too, not the BufferError of a map closed
+    while the error holds a view of it."""
+    _, file = exported(tmp_path, "llama")
+    I32 = gguf.GGMLQuantizationType.I32
+    bad = rewritten(file, tmp_path / "i32.gguf", tensors=lambda ts: [
+        (n, s, I32 if n == "output_norm.weight" else q, b) for n, s, q, b in ts])
+    refused(bad, f"{bad}: tensor output_norm.weight is of type I32, not a weight type "
+                 f"(floating point or quantized)")
+
+    def unknown(data, qtype):
+        raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", unknown)
+    refused(file, f"{file}: tensor token_embd.weight: type F32 cannot be dequantized (the "
+                  f"gguf package has no code for it)")

@@ -129,17 +129,19 @@ def _permute(w: torch.Tensor, heads: int, undo: bool) -> torch.Tensor:
         .reshape(w.shape)
 
 
-def _dequantize(buf, info: TensorInfo) -> torch.Tensor:
+def _dequantize(buf, info: TensorInfo, where: str) -> torch.Tensor:
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    # the tensor's bytes copied, not a view of the map: an error raised while a view lives
+    # would keep the map from closing (BufferError, not the one line)
+    raw = np.frombuffer(buf[info.offset:info.offset + info.nbytes], dtype=np.uint8)
     kind = GGMLQuantizationType(info.qtype)
     rows = raw.reshape(-1, info.nbytes // max(1, int(np.prod(info.shape[:-1]))))
     try:
         values = dequantize(rows, kind)
     except NotImplementedError:
-        raise CheckpointError(f"tensor type {kind.name} cannot be dequantized (the gguf "
+        raise CheckpointError(f"{where}: type {kind.name} cannot be dequantized (the gguf "
                               f"package has no code for it)") from None
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
 
@@ -185,7 +187,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = torch.float32,
     state = {}
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for name, info in ours.items():
-            t = _dequantize(buf, info)
+            t = _dequantize(buf, info, f"{f.path}: tensor {_theirs(name)}")
             kind = name.split(".")[-2]
             if config["model_type"] == "llama" and kind in heads:
                 t = _permute(t, heads[kind], undo=True)

@@ -25,6 +25,9 @@ MAX_STRING = 4 << 20  # a chat template is a few kB; tokens and keys far less
 # string 64 bytes + its text, an array's number 40 (one byte in the file for u8); ~40 MB at most
 MAX_HEADER_MEMORY = 64 << 20
 MAX_DIMS = 4
+# tensor types no weight of a model comes in: integers (llama.cpp's indices and masks) and
+# F64, which the gguf package cannot dequantize; refused by name before any byte is read
+NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")
 
 # GGUFValueType: scalars as struct formats (little-endian), 8 = string, 9 = array
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -157,6 +160,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
             block, size = GGML_QUANT_SIZES[kind]
         except (ValueError, KeyError):
             c.fail(f"tensor {name[:80]}: unknown type {qtype}")
+        if kind.name in NOT_WEIGHTS:
+            raise CheckpointError(f"{path}: tensor {name[:80]} is of type {kind.name}, not a "
+                                  f"weight type (floating point or quantized)")
         if name in tensors:
             c.fail(f"tensor {name[:80]} twice")
         if any(d < 1 for d in dims) or dims[0] % block:
