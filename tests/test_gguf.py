@@ -306,3 +306,16 @@ def test_a_tensor_of_a_type_no_weight_comes_in_is_refused_in_one_line(tmp_path, 
     monkeypatch.setattr(gguf.quants, "dequantize", unknown)
     refused(file, f"{file}: tensor token_embd.weight: type F32 cannot be dequantized (the "
                   f"gguf package has no code for it)")
+
+
+def test_a_layer_index_is_read_as_llama_cpp_writes_it(tmp_path):
+    """ASCII digits without a leading zero: a superscript digit, or blk.01 beside blk.1
+    (the same layer twice), is a tensor of no Llama model."""
+    _, file = exported(tmp_path, "llama")
+    bad = rewritten(file, tmp_path / "sup.gguf", tensors=lambda ts: [
+        (n.replace("blk.1.", "blk.\u00b9.", 1), s, q, b) for n, s, q, b in ts])
+    refused(bad, f"{bad}: tensor blk.\u00b9.attn_norm.weight is not one of the Llama family's")
+    bad = rewritten(file, tmp_path / "dup.gguf", tensors=lambda ts: ts + [
+        (n.replace("blk.1.", "blk.01.", 1), s, q, b) for n, s, q, b in ts
+        if n.startswith("blk.1.")])
+    refused(bad, f"{bad}: tensor blk.01.attn_norm.weight is not one of the Llama family's")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import re
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,7 @@ _NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _THEIRS = {v: k for k, v in _NAMES.items()} | {v: k for k, v in _TOP.items()}
+_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 def _ours(name: str) -> str | None:
@@ -108,8 +110,11 @@ def _ours(name: str) -> str | None:
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _NAMES:
-        return f"layers.{int(parts[1])}.{_NAMES[parts[2]]}.{suffix}"
+    # a layer's index as llama.cpp writes it: ASCII digits without a leading zero, so that no
+    # two names (blk.1, blk.01) are one layer's
+    if len(parts) == 3 and parts[0] == "blk" and _INDEX.fullmatch(parts[1]) and \
+            parts[2] in _NAMES:
+        return f"layers.{parts[1]}.{_NAMES[parts[2]]}.{suffix}"
     return None
 
 
