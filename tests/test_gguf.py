@@ -319,3 +319,31 @@ def test_a_layer_index_is_read_as_llama_cpp_writes_it(tmp_path):
         (n.replace("blk.1.", "blk.01.", 1), s, q, b) for n, s, q, b in ts
         if n.startswith("blk.1.")])
     refused(bad, f"{bad}: tensor blk.01.attn_norm.weight is not one of the Llama family's")
+
+
+def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
+    """write_gguf's linear scaling (rope.scaling.type + factor) comes back; a factor alone
+    is linear (llama.cpp's default type), so is the older rope.scale_linear; none is none;
+    another type is refused."""
+    lm = tiny_lm_dir(tmp_path / "llama", "llama")
+    config = json.loads((lm / "config.json").read_text())
+    config["rope_parameters"].update(rope_type="linear", factor=4.0)
+    (lm / "config.json").write_text(json.dumps(config))
+    model = load_hf_model(lm).eval()
+    linear = {"rope_type": "linear", "factor": 4.0}
+    assert model.cfg.rope_scaling == linear
+    file = write_gguf(model, HFTokenizer.from_dir(lm), tmp_path / "linear.gguf", "f32")
+    again, _ = load_gguf(file)
+    assert again.cfg.rope_scaling == linear
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(IDS), model(IDS), rtol=0, atol=1e-5)
+    a = "llama.rope."
+    for meta, want in [({a + "scaling.type": None}, linear),
+                       ({a + "scaling.type": None, a + "scaling.factor": None,
+                         a + "scale_linear": 4.0}, linear),
+                       ({a + "scaling.type": "none"}, {}),
+                       ({a + "scaling.factor": 0.0}, {})]:
+        other = rewritten(file, tmp_path / "other.gguf", meta)
+        assert load_gguf(other, weights=False)[0].cfg.rope_scaling == want, meta
+    bad = rewritten(file, tmp_path / "yarn.gguf", {a + "scaling.type": "yarn"})
+    refused(bad, f"{bad}: llama.rope.scaling.type 'yarn' is not supported (none, linear)")

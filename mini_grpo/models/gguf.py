@@ -49,6 +49,22 @@ def _meta(f: GGUFFile, key: str, kind: type, default=None, lo=1, hi=1 << 24):
     return v
 
 
+def _rope_scaling(f: GGUFFile, a: str) -> dict | None:
+    """config.json's rope_scaling from the keys llama.cpp reads, as it reads them: the type
+    linear unless named, the factor rope.scaling.factor or else the older rope.scale_linear,
+    none (or a factor of 0) no scaling; any other type is refused, scaled or not."""
+    kind = f.meta.get(a + "rope.scaling.type", "linear")
+    if kind not in ("none", "linear"):
+        raise CheckpointError(f"{f.path}: {a}rope.scaling.type {kind!r:.40} is not supported "
+                              f"(none, linear)")
+    key = a + ("rope.scaling.factor" if a + "rope.scaling.factor" in f.meta else
+               "rope.scale_linear")
+    factor = _meta(f, key, float, 0.0, lo=0)
+    if kind == "none" or factor == 0:
+        return None
+    return {"rope_type": "linear", "factor": factor}
+
+
 def hf_config(f: GGUFFile) -> dict:
     """The Hugging Face config.json the metadata describes (checked again as one by hf.py)."""
     arch = f.meta.get("general.architecture")
@@ -56,10 +72,9 @@ def hf_config(f: GGUFFile) -> dict:
         raise CheckpointError(f"{f.path}: general.architecture {str(arch)[:60]!r} is not "
                               f"supported ({', '.join(ARCHS)}: the Llama family)")
     a = arch + "."
-    for key in ("rope.scaling.type", "attention.sliding_window"):
-        if a + key in f.meta and f.meta[a + key] not in ("none", 0):
-            raise CheckpointError(f"{f.path}: {a + key} {f.meta[a + key]!r:.40} is not "
-                                  f"supported")
+    if f.meta.get(a + "attention.sliding_window", 0) not in ("none", 0):
+        raise CheckpointError(f"{f.path}: {a}attention.sliding_window "
+                              f"{f.meta[a + 'attention.sliding_window']!r:.40} is not supported")
     if "rope_freqs.weight" in f.tensors:
         raise CheckpointError(f"{f.path}: rope_freqs (Llama 3.1's rope scaling) is not "
                               f"supported")
@@ -85,6 +100,7 @@ def hf_config(f: GGUFFile) -> dict:
             "rms_norm_eps": _meta(f, a + "attention.layer_norm_rms_epsilon", float, 1e-6,
                                   lo=1e-12, hi=0.5),
             "rope_theta": _meta(f, a + "rope.freq_base", float, 10000.0, hi=1e12),
+            "rope_scaling": _rope_scaling(f, a),
             "attention_bias": arch == "llama" and blk + "attn_q.bias" in f.tensors,
             "mlp_bias": blk + "ffn_gate.bias" in f.tensors,
             "tie_word_embeddings": "output.weight" not in f.tensors,
