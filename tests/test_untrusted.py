@@ -363,11 +363,40 @@ def open_checkpoint(path):
 @pytest.mark.parametrize("key, value", [("n_embd", True), ("vocab_size", None),
                                         ("n_head", "4"), ("dropout", float("nan")),
                                         ("n_head", 3),  # 3: a RuntimeError in `sample`
-                                        ("dropout", 2)])  # torch's ValueError (long fuzz)
+                                        ("dropout", 2),  # torch's ValueError (long fuzz)
+                                        ("activation", "relu")])  # was GELU, silently
 def test_a_model_spec_of_the_wrong_types_is_named(tmp_path, key, value):
     spec = tiny_checkpoint()["model_spec"]
     path = saved(tmp_path, model_spec={**spec, "config": {**spec["config"], key: value}})
     refused(lambda: open_checkpoint(path), f"{path}: model config {key}")
+
+
+@pytest.mark.parametrize("scaling, needle", [
+    ({"rope_type": "linear"}, "factor must be a number in (0.0, 1e+15), got None"),
+    ({"rope_type": "linear", "factor": "4"}, "factor must be a number in (0.0, 1e+15), got '4'"),
+    ({"rope_type": "yarn", "factor": 4.0}, "rope type 'yarn' is not supported (default, "
+                                           "linear, llama3)"),
+    ({"rope_type": ["linear"]}, "rope type ['linear'] is not supported"),
+    ({"factor": 4.0}, "{'factor': 4.0} should read {}"),  # a default rope with a factor
+    ({"type": "linear", "factor": 4.0},  # the old spelling: rope_frequencies reads rope_type
+     "{'factor': 4.0, 'type': 'linear'} should read {'factor': 4.0, 'rope_type': 'linear'}"),
+])
+def test_a_rope_scaling_that_config_json_could_not_give_is_named(tmp_path, scaling, needle):
+    """A Llama spec's rope_scaling is checked by config.json's rule, and must already be in
+    the form that rule gives: rope_frequencies reads it as it is."""
+    from mini_grpo.models import build, spec
+
+    state = tiny_checkpoint()
+    llama = spec(build({"family": "llama", "config": dict(
+        vocab_size=state["model_spec"]["config"]["vocab_size"], block_size=256, n_layer=1,
+        n_head=2, n_kv_head=1, n_embd=16, head_dim=8, n_inner=32)}))
+    path = saved(tmp_path, model_spec=llama, model=build(llama).state_dict())
+    model, _ = open_checkpoint(path)  # the spec as written: read
+    assert model.cfg.rope_scaling == {}
+    llama["config"]["rope_scaling"] = scaling
+    path = saved(tmp_path, model_spec=llama, model=build(llama | {"config": {
+        **llama["config"], "rope_scaling": {}}}).state_dict())
+    refused(lambda: open_checkpoint(path), f"{path}: model config rope_scaling: {needle}")
 
 
 def test_a_model_spec_of_absurd_size_is_named(tmp_path):

@@ -19,9 +19,10 @@ from dataclasses import asdict, fields
 import torch
 from torch import nn
 
+from ..fields import show
 from .core import CausalLM, KVCache, attention_mask, positions
-from .gpt import GPT, GPTConfig
-from .llama import Llama, LlamaConfig
+from .gpt import ACTIVATIONS, GPT, GPTConfig
+from .llama import Llama, LlamaConfig, rope_scaling
 
 FAMILIES: dict[str, tuple[type[CausalLM], type]] = {
     "gpt": (GPT, GPTConfig),
@@ -66,6 +67,17 @@ def model_config(spec: dict):
                          f"{whole} {getattr(cfg, whole)}")
     if family == "llama" and cfg.head_dim % 2:
         raise ValueError(f"model config head_dim: {cfg.head_dim} must be even (RoPE)")
+    if family == "llama":  # as config.json's is read, and already in the form it gives
+        try:
+            scaling = rope_scaling(cfg.rope_scaling)
+        except ValueError as e:
+            raise ValueError(f"model config rope_scaling: {e}") from None
+        if scaling != cfg.rope_scaling:
+            raise ValueError(f"model config rope_scaling: {show(cfg.rope_scaling)} should "
+                             f"read {show(scaling)}")
+    if family == "gpt" and cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"model config activation: {show(cfg.activation)} is not one of "
+                         f"{', '.join(ACTIVATIONS)}")
     if not 0 <= getattr(cfg, "dropout", 0.0) < 1:  # a probability (torch refuses others)
         raise ValueError(f"model config dropout: {cfg.dropout} is not in [0, 1)")
     return cfg

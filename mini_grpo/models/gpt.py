@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from .core import Attention, CausalLM
 
+ACTIVATIONS = ("gelu", "gelu_new")  # exact | tanh approximation (GPT-2)
+
 
 @dataclass
 class GPTConfig:
@@ -21,7 +23,7 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0
     # GPT-2 checkpoints: tanh-approximated GELU, their epsilon, their MLP width
-    activation: str = "gelu"  # gelu (exact) | gelu_new (tanh approximation, GPT-2)
+    activation: str = "gelu"  # one of ACTIVATIONS
     layer_norm_epsilon: float = 1e-5
     n_inner: int | None = None  # MLP width; None = 4 * n_embd
     tie_word_embeddings: bool = True  # the LM head shares the token embedding's weight

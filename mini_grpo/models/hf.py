@@ -33,6 +33,7 @@ from ..checkpoint import CheckpointError, check_shapes
 from ..jsonio import read_json_object
 from ..outputs import replace_dir
 from . import CausalLM, GPTConfig, LlamaConfig, build, check_size
+from .llama import rope_scaling
 
 # model_type -> our family
 HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
@@ -115,19 +116,10 @@ def _rope(config: dict) -> tuple[float, dict]:
     if not isinstance(params, dict):
         raise CheckpointError(f"config.json: rope_parameters must be an object, got {params!r}")
     theta = _float(config, "rope_theta", params.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    need = {"default": (), "linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings")}
-    if kind not in need:
-        raise CheckpointError(f"config.json: rope type {kind!r} is not supported "
-                              f"({', '.join(need)})")
-    scaling = {"rope_type": kind} if kind != "default" else {}
-    for key in need[kind]:
-        scaling[key] = _float(params, key, None)
-    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise CheckpointError("config.json: rope high_freq_factor must exceed low_freq_factor")
-    return theta, scaling
+    try:
+        return theta, rope_scaling(params)
+    except ValueError as e:
+        raise CheckpointError(f"config.json: {e}") from None
 
 
 def llama_config(config: dict) -> LlamaConfig:

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..fields import show
 from .core import Attention, CausalLM
 
 
@@ -31,7 +32,7 @@ class LlamaConfig:
     n_inner: int  # intermediate_size of the SwiGLU MLP
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=dict)  # {} | {rope_type: linear | llama3, ...}
+    rope_scaling: dict = field(default_factory=dict)  # as rope_scaling() returns it
     qkv_bias: bool = False  # Qwen2: True
     o_bias: bool = False
     mlp_bias: bool = False
@@ -48,6 +49,32 @@ class LlamaConfig:
         mlp = 3 * C * inner + (2 * inner + C) * self.mlp_bias
         head = 0 if self.tie_word_embeddings else self.vocab_size * C
         return self.vocab_size * C + self.n_layer * (attn + mlp + 2 * C) + C + head
+
+
+# the rope scalings rope_frequencies applies, each with the numbers it reads
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
+
+
+def rope_scaling(params: dict) -> dict:
+    """The scaling rope_frequencies applies, checked: {} or {"rope_type": ..., and the
+    numbers it reads, as floats}. The one rule for config.json's rope_scaling or
+    rope_parameters (`type` the old spelling of `rope_type`) and a checkpoint's spec;
+    ValueError naming the key."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
+        raise ValueError(f"rope type {show(kind)} is not supported ({', '.join(ROPE_TYPES)})")
+    out = {"rope_type": kind} if kind != "default" else {}
+    for key in ROPE_TYPES[kind]:
+        v = params.get(key)
+        # compared, never float()-ed, before the range check: float(10**400) overflows
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e15:
+            raise ValueError(f"{key} must be a number in (0.0, 1e+15), got {show(v)}")
+        out[key] = float(v)
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError("rope high_freq_factor must exceed low_freq_factor")
+    return out
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
