@@ -129,3 +129,19 @@ def test_an_untied_gpt2_keeps_its_own_head(tmp_path):
     again = transformers.GPT2LMHeadModel.from_pretrained(save_hf(ours, tmp_path / "out"))
     with torch.no_grad():
         torch.testing.assert_close(again(idx).logits, hf(idx).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias"])
+def test_a_boolean_of_config_json_is_true_or_false_never_a_truthy_string(tmp_path, key):
+    """"false" is not false: refused, not read as true (a tied head the weights never had)."""
+    from conftest import tiny_lm_dir
+
+    path = tiny_lm_dir(tmp_path / "llama", "llama") if key != "tie_word_embeddings" else \
+        tiny_gpt2(tmp_path, tie_word_embeddings=False)[1]
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, key: "false"}))
+    with pytest.raises(CheckpointError, match=f"config.json: {key} must be true or false, "
+                                              f"got 'false'"):
+        load_hf_model(path)
+    (path / "config.json").write_text(json.dumps({**config, key: None}))  # null: the default
+    load_hf_model(path)

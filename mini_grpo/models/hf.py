@@ -75,6 +75,17 @@ def _int(config: dict, key: str, default=None, lo: int = 1) -> int:
     return v
 
 
+def _bool(config: dict, key: str, default: bool) -> bool:
+    """true or false (null: the default); never Python's truth of a value ("false" is
+    true there)."""
+    v = config.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise CheckpointError(f"config.json: {key} must be true or false, got {repr(v)[:60]}")
+    return v
+
+
 MAX_FLOAT = 1e15  # above any rope_theta or factor a model has (Llama 3: 5e5); ints of any
 # size go through float() otherwise: 10**400 is an OverflowError there
 
@@ -106,7 +117,7 @@ def gpt2_config(config: dict) -> GPTConfig:
                      activation="gelu" if act == "gelu" else "gelu_new",
                      layer_norm_epsilon=_float(config, "layer_norm_epsilon", 1e-5, hi=1),
                      n_inner=None if n_inner is None else _int(config, "n_inner"),
-                     tie_word_embeddings=bool(config.get("tie_word_embeddings", True)))
+                     tie_word_embeddings=_bool(config, "tie_word_embeddings", True))
 
 
 def _rope(config: dict) -> tuple[float, dict]:
@@ -140,16 +151,16 @@ def llama_config(config: dict) -> LlamaConfig:
     if head_dim % 2:
         raise CheckpointError(f"config.json: head_dim {head_dim} must be even (RoPE)")
     theta, scaling = _rope(config)
-    bias = bool(config.get("attention_bias", False))
+    bias = _bool(config, "attention_bias", False)
     return LlamaConfig(
         vocab_size=_int(config, "vocab_size"), block_size=_int(config, "max_position_embeddings"),
         n_layer=_int(config, "num_hidden_layers"), n_head=n_head, n_kv_head=n_kv,
         n_embd=n_embd, head_dim=head_dim, n_inner=_int(config, "intermediate_size"),
         rms_norm_eps=_float(config, "rms_norm_eps", 1e-6, hi=1), rope_theta=theta,
         rope_scaling=scaling, qkv_bias=kind == "qwen2" or bias,
-        o_bias=bias and kind != "qwen2", mlp_bias=bool(config.get("mlp_bias", False)),
+        o_bias=bias and kind != "qwen2", mlp_bias=_bool(config, "mlp_bias", False),
         qk_norm=kind == "qwen3",
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+        tie_word_embeddings=_bool(config, "tie_word_embeddings", False))
 
 
 def hf_spec(config: dict) -> dict:
