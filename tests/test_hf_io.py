@@ -145,3 +145,19 @@ def test_a_boolean_of_config_json_is_true_or_false_never_a_truthy_string(tmp_pat
         load_hf_model(path)
     (path / "config.json").write_text(json.dumps({**config, key: None}))  # null: the default
     load_hf_model(path)
+
+
+def test_a_weight_in_two_shards_is_refused(tmp_path):
+    """Which copy is read would be the order of the files: neither is."""
+    from safetensors.torch import load_file, save_file
+
+    _, path = tiny_gpt2(tmp_path, shard="100KB")
+    first, *_, last = sorted(path.glob("model-*.safetensors"))
+    a, b = load_file(first), load_file(last)
+    name = next(iter(a))
+    save_file({**b, name: torch.zeros_like(a[name])}, last, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_hf_model(path)
+    ours = name.removeprefix("transformer.").replace("h.", "blocks.", 1)
+    assert str(e.value) == (f"{path}: weight {ours} is stored twice ({name} in {first.name}, "
+                            f"{name} in {last.name})")

@@ -255,15 +255,19 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
     for f in files:  # headers first: names and shapes, no tensor read yet
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
-                    ours = _ours(family, key)
-                    if ours is None:
-                        continue
-                    shape = sf.get_slice(key).get_shape()
-                    shapes[ours] = torch.Size(shape[::-1] if _conv1d(family, ours) else shape)
-                    where[ours] = (f, key)
+                header = {key: sf.get_slice(key).get_shape() for key in sf.keys()}
         except Exception as e:  # a truncated or foreign file: the library's own error
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+        for key, shape in header.items():
+            ours = _ours(family, key)
+            if ours is None:
+                continue
+            if ours in where:  # which copy is read would be the files' order's accident
+                first, name = where[ours]
+                raise CheckpointError(f"{path}: weight {ours} is stored twice ({name} in "
+                                      f"{first.name}, {key} in {f.name})")
+            shapes[ours] = torch.Size(shape[::-1] if _conv1d(family, ours) else shape)
+            where[ours] = (f, key)
     _check_sizes(spec, shapes, path)
     try:  # the files' sizes, in the dtype asked for (else at least 2 bytes), against memory
         check_size(spec, str(path / "config.json"), (dtype or torch.bfloat16).itemsize)
