@@ -347,3 +347,18 @@ def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
         assert load_gguf(other, weights=False)[0].cfg.rope_scaling == want, meta
     bad = rewritten(file, tmp_path / "yarn.gguf", {a + "scaling.type": "yarn"})
     refused(bad, f"{bad}: llama.rope.scaling.type 'yarn' is not supported (none, linear)")
+
+
+@pytest.mark.parametrize("text", ["<s> x", "$A", "$B:1"])
+def test_a_bos_token_is_added_whatever_its_text(tmp_path, text):
+    """The BOS added at a sequence's start is its id, its text never parsed as a template
+    ("<s> x" would be two tokens, "$A" the text again)."""
+    _, file = exported(tmp_path, "llama")
+    tokens = read_gguf(file).meta["tokenizer.ggml.tokens"]
+    tokens[1] = text  # <|im_start|>, a control token
+    other = rewritten(file, tmp_path / "bos.gguf", {
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True})
+    _, tok = load_gguf(other, weights=False)
+    assert tok.encode("hi") == HFTokenizer.from_dir(tmp_path / "llama").encode("hi")
+    assert tok.encode("hi", bos=True) == [1, *tok.encode("hi")]

@@ -107,8 +107,11 @@ def gguf_tokenizer(f):
         specials[name] = tokens[i]
     bos = specials.get("bos_token")
     if f.meta.get("tokenizer.ggml.add_bos_token") is True and bos is not None:
+        # the template names BOS by a key of ours, its text given apart: a template string
+        # parses its words ("<s> x" is two, "$A" the text itself)
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+            single="BOS $A", pair="BOS $A BOS $B",
+            special_tokens=[{"id": "BOS", "ids": [vocab[bos]], "tokens": [bos]}])
     template = f.meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{f.path}: tokenizer.chat_template must be a string")
