@@ -171,7 +171,9 @@ class HFTokenizer:
 
     def __init__(self, tokenizer, config: dict, chat_template: str | None = None,
                  extra_eos: Iterable[int] = (), where: dict[str, str] | None = None):
-        where = {"chat_template": "chat template", "eos": "EOS ids", **(where or {})}
+        where = {"chat_template": "chat template", "eos": "EOS ids",
+                 "no_eos": "tokenizer: no EOS token (eos_token in tokenizer_config.json or "
+                           "eos_token_id in generation_config.json)", **(where or {})}
         extra_eos = list(extra_eos)
         self.tk = tokenizer
         self.config = config
@@ -185,8 +187,7 @@ class HFTokenizer:
                                   f"tokenizer (0 to {self.vocab_size - 1})")
         self.eos_ids = list(dict.fromkeys([i for i in [eos, *extra_eos] if i is not None]))
         if not self.eos_ids:
-            raise ConfigError("tokenizer: no EOS token (eos_token in tokenizer_config.json or "
-                              "eos_token_id in generation_config.json)")
+            raise ConfigError(where["no_eos"])
         self.eos_id = self.eos_ids[0]
         pad = self._id(self.specials["pad_token"])
         self.pad_id = pad if pad is not None else self.eos_id  # masked out wherever it is used
@@ -265,7 +266,9 @@ class HFTokenizer:
         if file.stat().st_size > MAX_TOKENIZER_BYTES:
             raise ConfigError(f"{file}: larger than {MAX_TOKENIZER_BYTES} bytes")
         config = read_json_object(path / "tokenizer_config.json") or {}
-        where = {"eos": f"{path / 'generation_config.json'}: eos_token_id"}
+        where = {"eos": f"{path / 'generation_config.json'}: eos_token_id",
+                 "no_eos": f"{path}: no EOS token (eos_token in tokenizer_config.json or "
+                           f"eos_token_id in generation_config.json)"}
         jinja = path / "chat_template.jinja"
         if jinja.is_file():
             template, where["chat_template"] = _read_text(jinja), str(jinja)

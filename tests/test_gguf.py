@@ -362,3 +362,9 @@ def test_a_bos_token_is_added_whatever_its_text(tmp_path, text):
     _, tok = load_gguf(other, weights=False)
     assert tok.encode("hi") == HFTokenizer.from_dir(tmp_path / "llama").encode("hi")
     assert tok.encode("hi", bos=True) == [1, *tok.encode("hi")]
+
+
+def test_a_file_without_eos_names_the_key(tmp_path):
+    _, file = exported(tmp_path, "llama")
+    bad = rewritten(file, tmp_path / "no_eos.gguf", {"tokenizer.ggml.eos_token_id": None})
+    refused(bad, f"{bad}: no EOS token (no tokenizer.ggml.eos_token_id)")

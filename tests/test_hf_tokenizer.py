@@ -2,6 +2,7 @@
 locally (nothing downloaded), encoded, decoded and chat-templated both ways."""
 
 import json
+import re
 
 import pytest
 
@@ -114,6 +115,10 @@ def test_sandboxed_templates_and_bad_directories(tmp_path):
         HFTokenizer.from_dir(path).apply_chat_template(MESSAGES[0])
     with pytest.raises(ValueError, match="no tokenizer.json"):
         HFTokenizer.from_dir(tmp_path)
+    no_eos, _ = save_tiny(tmp_path, "no_eos", None, None, None, None)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{no_eos}: no EOS token (eos_token "
+                                                          f"in tokenizer_config.json")):
+        HFTokenizer.from_dir(no_eos)
     (path / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         HFTokenizer.from_dir(path)
