@@ -229,16 +229,18 @@ def test_init_from_a_gguf_file_trains_and_exports(tmp_path):
 
 def test_vllm_serve_takes_a_gguf_files_shapes(tmp_path):
     """`mini-grpo vllm-serve --model X.gguf`: the engine's config comes from the file's
-    metadata, and matches what the trainer checks a server against (its policy's shapes)."""
-    from mini_grpo.engines.client import shapes
+    metadata, and matches what the trainer checks a server against (its policy's
+    architecture; a GGUF file's floats are float32's)."""
+    from mini_grpo.engines.client import _same, architecture
     from mini_grpo.engines.server import served_model
     from mini_grpo.engines.vllm import engine_config
 
     lm, file = exported(tmp_path, "qwen2")
-    served, policy, hf = (shapes(engine_config(m, torch.float32)) for m in (
+    served, policy, hf = (architecture(engine_config(m, torch.float32)) for m in (
         served_model(str(file)), load_gguf(file)[0], served_model(str(lm))))
     # the directory leaves head_dim out, the GGUF file states it: the same model either way
-    assert served == policy == hf and served["head_dim"] == 16, (served, policy, hf)
+    assert _same(served, policy) and _same(served, hf) and served["head_dim"] == 16, \
+        (served, policy, hf)
     (tmp_path / "notes.gguf").write_text("my notes")
     with pytest.raises(CheckpointError, match="notes.gguf"):
         served_model(str(tmp_path / "notes.gguf"))
