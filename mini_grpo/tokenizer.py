@@ -15,6 +15,10 @@ Tokenizer files and a checkpoint's tokenizer state are untrusted input, checked 
 each way in (`HFTokenizer.from_dir`, `tokenizer_from_state`, both through HFTokenizer's
 constructor): JSON through the bounded reader (jsonio.py), the chat template compiled and
 rendered only through chat_template.py; bad input is a ValueError (ConfigError) of one line.
+The parts of tokenizer.json that run on every text (normalizer, pre_tokenizer, post_processor,
+decoder) are those of real tokenizers (`_PARTS`), bounded in how much text they may make of
+a character (`MAX_GROWTH`), and a panic of the library's Rust code while it encodes or decodes
+(a regex past its retry limit) is that error too, naming the tokenizer.
 """
 
 from __future__ import annotations
@@ -173,9 +177,11 @@ class HFTokenizer:
                  extra_eos: Iterable[int] = (), where: dict[str, str] | None = None):
         where = {"chat_template": "chat template", "eos": "EOS ids",
                  "no_eos": "tokenizer: no EOS token (eos_token in tokenizer_config.json or "
-                           "eos_token_id in generation_config.json)", **(where or {})}
+                           "eos_token_id in generation_config.json)",
+                 "tokenizer": "tokenizer.json", **(where or {})}
         extra_eos = list(extra_eos)
-        self.tk = tokenizer
+        check_parts(tokenizer, where["tokenizer"])
+        self.tk, self.where = tokenizer, where["tokenizer"]
         self.config = config
         self.specials = {name: _token_text(config.get(name)) for name in
                          ("bos_token", "eos_token", "pad_token", "unk_token")}
@@ -268,7 +274,8 @@ class HFTokenizer:
         config = read_json_object(path / "tokenizer_config.json") or {}
         where = {"eos": f"{path / 'generation_config.json'}: eos_token_id",
                  "no_eos": f"{path}: no EOS token (eos_token in tokenizer_config.json or "
-                           f"eos_token_id in generation_config.json)"}
+                           f"eos_token_id in generation_config.json)",
+                 "tokenizer": str(file)}
         jinja = path / "chat_template.jinja"
         if jinja.is_file():
             template, where["chat_template"] = _read_text(jinja), str(jinja)
@@ -279,10 +286,7 @@ class HFTokenizer:
         gen = read_json_object(path / "generation_config.json") or {}
         extra = gen.get("eos_token_id")
         extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
-        try:
-            tk = Tokenizer.from_file(str(file))
-        except Exception as e:  # the library's own parse errors
-            raise ConfigError(f"{file}: cannot load ({_first_line(e)})") from None
+        tk = _library(f"{file}: cannot load", Tokenizer.from_file, str(file))
         return cls(tk, config, template, extra, where)
 
     @classmethod
@@ -300,14 +304,12 @@ class HFTokenizer:
         if len(state["tokenizer.json"]) > MAX_TOKENIZER_BYTES:
             raise ConfigError(f"tokenizer: the stored tokenizer.json is larger than "
                               f"{MAX_TOKENIZER_BYTES} characters")
-        try:
-            tk = Tokenizer.from_str(state["tokenizer.json"])
-        except Exception as e:  # the library's own parse errors
-            raise ConfigError(f"tokenizer: cannot rebuild the stored tokenizer "
-                              f"({_first_line(e)})") from None
+        tk = _library("tokenizer: cannot rebuild the stored tokenizer", Tokenizer.from_str,
+                      state["tokenizer.json"])
         return cls(tk, state["config"], state["chat_template"], state["eos_ids"],
                    {"chat_template": "the checkpoint's chat template",
-                    "eos": "tokenizer: the stored eos_ids"})
+                    "eos": "tokenizer: the stored eos_ids",
+                    "tokenizer": "tokenizer: the stored tokenizer.json"})
 
     def state(self) -> dict:
         return {"type": "hf", "tokenizer.json": self.tk.to_str(), "config": self.config,
@@ -344,7 +346,8 @@ class HFTokenizer:
         post-processor: BOS for Llama, nothing for Qwen or GPT-2), as transformers'
         `tokenizer(text)` does; False encodes the text alone (a rendered chat template
         carries its own BOS)."""
-        ids = self.tk.encode(text, add_special_tokens=bos).ids
+        ids = _library(f"{self.where}: cannot encode a text of {len(text)} characters",
+                       self.tk.encode, text, add_special_tokens=bos).ids
         return ids + [self.eos_id] if eos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -357,13 +360,17 @@ class HFTokenizer:
                 break
             out.append(int(i))
         if not self._kept or not self._kept.keys() & set(out):
-            return self.tk.decode(out, skip_special_tokens=True)
+            return self._decode(out)
         parts, start = [], 0
         for k, i in enumerate(out):
             if i in self._kept:
-                parts += [self.tk.decode(out[start:k], skip_special_tokens=True), self._kept[i]]
+                parts += [self._decode(out[start:k]), self._kept[i]]
                 start = k + 1
-        return "".join(parts) + self.tk.decode(out[start:], skip_special_tokens=True)
+        return "".join(parts) + self._decode(out[start:])
+
+    def _decode(self, ids: list[int]) -> str:
+        return _library(f"{self.where}: cannot decode {len(ids)} ids", self.tk.decode, ids,
+                        skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
@@ -437,6 +444,104 @@ def _read_text(path: Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not valid UTF-8") from None
+
+
+def _library(failed: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), a call into the tokenizers library, whose failure is a ConfigError
+    `failed: <its first line>`. Its Rust code may panic on what a file gave it (a regex past
+    Oniguruma's retry limit), which pyo3 raises as a PanicException: a BaseException, which
+    `except Exception` lets through."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise ConfigError(f"{failed} ({_first_line(e)})") from None
+
+
+# --- the parts of tokenizer.json that run on every text ---------------------------------------
+
+# By allowlist: those of the tokenizers in use (GPT-2 and SmolLM2's byte-level BPE, Llama 3,
+# Qwen2/3, Mistral and Llama 2, Gemma), each with how many characters it may make of one at
+# worst: Unicode's bounds for the normal forms, a character's four UTF-8 bytes for ByteLevel,
+# None where its settings say (_growth). A Sequence of parts multiplies them.
+_PARTS = {
+    "normalizer": {"NFC": 3, "NFD": 4, "NFKC": 18, "NFKD": 18, "Lowercase": 3, "Strip": 1,
+                   "StripAccents": 1, "Prepend": None, "Replace": None},
+    "pre_tokenizer": {"ByteLevel": 4, "Metaspace": None, "Split": 1, "Digits": 1,
+                      "Punctuation": 1, "Whitespace": 1, "WhitespaceSplit": 1},
+    "decoder": {"ByteLevel": 1, "Metaspace": 1, "ByteFallback": 1, "Fuse": 1, "Strip": 1,
+                "Replace": None},
+}
+_SEQUENCE = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers",
+             "decoder": "decoders", "post_processor": "processors"}
+# the most characters a text may become per character, encoded (normalizer, then
+# pre-tokenizer) or decoded: a real tokenizer's worst is NFKC's 18 times ByteLevel's 4; six
+# Replace("a" -> "a" * 10) in a row make a million ids of "a", eight abort the process
+MAX_GROWTH = 100
+MAX_ADDED_IDS = 16  # the ids a post-processor adds to a text (BOS, EOS: a real one adds 1 to 4)
+
+
+def check_parts(tk, where: str) -> None:
+    """The normalizer, pre_tokenizer, post_processor and decoder of a `tokenizers` Tokenizer
+    (as the library parsed them from `where`): types of _PARTS, growth at most MAX_GROWTH,
+    post-processing at most MAX_ADDED_IDS ids. ConfigError naming the part otherwise."""
+    spec = {slot: json.loads(part.__getstate__()) for slot in (*_PARTS, "post_processor")
+            if (part := getattr(tk, slot)) is not None}  # the part's JSON, as the file has it
+    growth = {slot: _growth(spec[slot], slot, slot, where) if slot in spec else 1
+              for slot in _PARTS}
+    if growth["normalizer"] * growth["pre_tokenizer"] > MAX_GROWTH:
+        raise ConfigError(f"{where}: normalizer and pre_tokenizer: may make more than "
+                          f"{MAX_GROWTH} characters of one (Replace by longer contents?)")
+    if growth["decoder"] > MAX_GROWTH:
+        raise ConfigError(f"{where}: decoder: may make more than {MAX_GROWTH} characters of "
+                          f"one (Replace by longer contents?)")
+    if "post_processor" in spec and \
+            _added_ids(spec["post_processor"], "post_processor", where) > MAX_ADDED_IDS:
+        raise ConfigError(f"{where}: post_processor: adds more than {MAX_ADDED_IDS} ids to a "
+                          f"text")
+
+
+def _growth(part: dict, field: str, slot: str, where: str) -> int:
+    """How many characters `part` (the `field` of a tokenizer.json, a `slot` part) may make
+    of one, at most MAX_GROWTH + 1 (a Sequence of a million parts stays a small number)."""
+    kind, key = part.get("type"), _SEQUENCE[slot]
+    if kind == "Sequence":
+        growth = 1
+        for i, p in enumerate(part[key]):
+            growth = min(growth * _growth(p, f"{field}.{key}[{i}]", slot, where),
+                         MAX_GROWTH + 1)
+        return growth
+    if kind not in _PARTS[slot]:
+        raise ConfigError(f"{where}: {field}: type {show(kind)} is not supported ("
+                          f"{', '.join(['Sequence', *_PARTS[slot]])})")
+    if kind == "Replace":  # each match of its pattern becomes its content
+        pattern, content = part["pattern"].get("String"), part["content"]
+        # a regex (or an empty string) may match nothing: the content before every character
+        return max(1, -(-len(content) // len(pattern))) if pattern else len(content) + 1
+    if kind == "Prepend":  # before every text between special tokens: one character at worst
+        return 1 + len(part["prepend"])
+    if kind == "Metaspace" and slot == "pre_tokenizer":  # a space becomes it, and before words
+        return 1 + len(part["replacement"])
+    return _PARTS[slot][kind]
+
+
+def _added_ids(part: dict, field: str, where: str) -> int:
+    """How many ids the post-processor `field` adds to a text (or a pair of texts)."""
+    kind = part.get("type")
+    if kind == "Sequence":
+        return sum(_added_ids(p, f"{field}.processors[{i}]", where)
+                   for i, p in enumerate(part["processors"]))
+    if kind == "ByteLevel":
+        return 0
+    if kind in ("BertProcessing", "RobertaProcessing"):  # <s> A </s></s> B </s>
+        return 4
+    if kind == "TemplateProcessing":
+        tokens = part["special_tokens"]  # a token's text -> the ids it adds
+        return max(sum(len(tokens.get(p["SpecialToken"]["id"], {}).get("ids", ()))
+                       for p in part[key] if "SpecialToken" in p) for key in ("single", "pair"))
+    raise ConfigError(f"{where}: {field}: type {show(kind)} is not supported (Sequence, "
+                      f"ByteLevel, TemplateProcessing, BertProcessing, RobertaProcessing)")
 
 
 def _first_line(e: Exception) -> str:

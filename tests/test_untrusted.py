@@ -129,6 +129,94 @@ def test_other_bad_json_is_named(lm, tmp_path):
                 "is not a token id of this tokenizer")
 
 
+# --- tokenizer.json: the parts that run on every text, by allowlist and bounded ----------------
+
+def with_parts(lm, tmp_path, **parts):
+    """A copy of the tiny model directory whose tokenizer.json has `parts` (normalizer=...)."""
+    from tokenizers import Tokenizer
+
+    path = copy(lm, tmp_path)
+    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+    for name, part in parts.items():
+        setattr(tk, name, part)
+    tk.save(str(path / "tokenizer.json"))
+    return path
+
+
+def real_parts():
+    """The parts as the tokenizers of real models have them."""
+    from tokenizers import Regex
+    from tokenizers import decoders as d
+    from tokenizers import normalizers as n
+    from tokenizers import pre_tokenizers as p
+    from tokenizers import processors as pp
+
+    from mini_grpo.models.gguf_vocab import _LLAMA3, _QWEN2
+
+    bos = pp.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    sentencepiece = [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse()]
+    return {
+        "llama3": dict(pre_tokenizer=p.Sequence([p.Split(Regex(_LLAMA3), "isolated"),
+                                                 p.ByteLevel(False, use_regex=False)]),
+                       post_processor=pp.Sequence([pp.ByteLevel(), bos])),
+        "qwen2": dict(normalizer=n.NFC(), pre_tokenizer=p.Sequence([
+            p.Split(Regex(_QWEN2), "isolated"), p.ByteLevel(False, use_regex=False)])),
+        "smollm2": dict(pre_tokenizer=p.Sequence([p.Digits(True), p.ByteLevel(False)])),
+        "mistral": dict(normalizer=n.Sequence([n.Prepend("\u2581"), n.Replace(" ", "\u2581")]),
+                        pre_tokenizer=None, post_processor=bos,
+                        decoder=d.Sequence([*sentencepiece, d.Strip(" ", 1, 0)])),
+        "gemma": dict(normalizer=n.Replace(" ", "\u2581"), pre_tokenizer=None,
+                      post_processor=bos, decoder=d.Sequence(sentencepiece)),
+        "metaspace": dict(pre_tokenizer=p.Metaspace(), decoder=d.Metaspace()),
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "smollm2", "mistral", "gemma",
+                                  "metaspace"])
+def test_the_tokenizer_parts_of_real_models_load(lm, tmp_path, kind):
+    tok = HFTokenizer.from_dir(with_parts(lm, tmp_path, **real_parts()[kind]))
+    assert tok.encode("e2e4 e7e5 123")
+    assert tokenizer_from_state(tok.state()) == tok  # and through a checkpoint
+
+
+def test_a_tokenizer_json_that_multiplies_text_is_refused(lm, tmp_path):
+    from tokenizers import decoders as d
+    from tokenizers import normalizers as n
+    from tokenizers import pre_tokenizers as p
+    from tokenizers import processors as pp
+
+    tenfold = n.Replace("a", "a" * 10)  # six in a row: "a" is a million ids; eight: an abort
+    for i, (parts, needle) in enumerate([
+        (dict(normalizer=n.Sequence([tenfold] * 3)), "normalizer and pre_tokenizer: may make "
+                                                     "more than 100 characters of one"),
+        (dict(pre_tokenizer=p.Sequence([p.ByteLevel(False)] * 4)), "more than 100"),
+        (dict(decoder=d.Sequence([d.Replace("a", "a" * 10)] * 3)), "decoder: may make more"),
+        (dict(post_processor=pp.TemplateProcessing(
+            single="<|endoftext|> " * 100 + "$A", special_tokens=[("<|endoftext|>", 0)])),
+         "post_processor: adds more than 16 ids"),
+        (dict(pre_tokenizer=p.Sequence([p.ByteLevel(False), p.UnicodeScripts()])),
+         "pre_tokenizer.pretokenizers[1]: type 'UnicodeScripts' is not supported"),
+    ]):
+        path = with_parts(lm, tmp_path / str(i), **parts)
+        refused(lambda at=path: HFTokenizer.from_dir(at), f"{path / 'tokenizer.json'}: ", needle)
+        state = {**HFTokenizer.from_dir(lm).state(),
+                 "tokenizer.json": (path / "tokenizer.json").read_text()}
+        refused(lambda at=state: tokenizer_from_state(at), "the stored tokenizer.json: ", needle)
+
+
+def test_a_tokenizer_that_panics_on_a_text_is_one_line(lm, tmp_path):
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as p
+
+    # Oniguruma gives up on (a|aa)+c over 34 a's, and the library panics: a BaseException
+    path = with_parts(lm, tmp_path, pre_tokenizer=p.Sequence([
+        p.Split(Regex("(a|aa)+c"), "isolated"), p.ByteLevel(False)]))
+    tok = HFTokenizer.from_dir(path)
+    assert len(tok.encode("a" * 20)) > 0
+    refused(lambda: tok.encode("a" * 40), f"{path / 'tokenizer.json'}: cannot encode a text of "
+                                          f"40 characters (Onig: Regex search error")
+
+
 # --- chat templates: one bounded renderer --------------------------------------------------------
 
 DOUBLED = ("{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(60) %}"

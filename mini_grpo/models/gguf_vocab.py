@@ -121,7 +121,8 @@ def gguf_tokenizer(f):
         return HFTokenizer(tk, specials, template, extra,
                            {"chat_template": f"{f.path}: tokenizer.chat_template",
                             "eos": f"{f.path}: tokenizer.ggml.eot_token_id",
-                            "no_eos": f"{f.path}: no EOS token (no tokenizer.ggml.eos_token_id)"})
+                            "no_eos": f"{f.path}: no EOS token (no tokenizer.ggml.eos_token_id)",
+                            "tokenizer": f"{f.path}: tokenizer.ggml"})
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
