@@ -7,7 +7,11 @@ template is compiled and run, in a sandbox bounded in time and size.
 The environment is transformers' `apply_chat_template`'s (ImmutableSandboxedEnvironment,
 trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
 keeps non-ASCII), so a template renders as it renders there, within these bounds:
-- time: RENDER_SECONDS, checked at every loop iteration, call, filter, operator and write;
+- time: RENDER_SECONDS, checked at every loop iteration, call, filter, test, operator and
+  write; and what runs in C between two checks (hashing, comparing) bounded by the walk: no
+  value the template builds (a tuple, list or dict, a call's, filter's or operator's result,
+  what it sets, a macro's varargs) or compares is more than MAX_CHARS to walk, its shared
+  parts counted each time they are reached;
 - size: the characters written (at every level: macros and blocks too) and every string or
   list an operation builds are at most MAX_CHARS, and all an operation builds in one render
   at most BUILD_BUDGET; repetition (`'x' * n`), `**`, `%` and format widths, concatenation,
@@ -92,12 +96,13 @@ class ChatTemplate:
         runs out of time or size, or renders nothing."""
         _state.deadline, _state.seconds = time.monotonic() + seconds, seconds
         _state.written = _state.built = 0
+        _state.sizes = {}
         try:
             text = self.template.render(messages=messages, **variables)
         except Exception as e:  # anything the template's code raised is the template's failure
             raise self._error(e) from None
         finally:
-            _state.deadline = None
+            _state.deadline = _state.sizes = None
         if not text:
             raise ChatTemplateError(f"{self.where}: the chat template renders an empty prompt "
                                     f"for this conversation")
@@ -149,16 +154,20 @@ def _tick() -> None:
 
 
 _VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+_CONTAINERS = (list, tuple, set, frozenset, dict, *_VIEWS)
 
 
 def _size(value: Any, limit: int = MAX_CHARS, indent: int = 0) -> int:
     """About how many characters `value` is as text (str(), repr(), JSON with `indent`): exact
     for a string, within a small factor for numbers and containers; counting stops past
-    `limit`, so a value that shares its parts many times costs no more than `limit` steps."""
+    `limit`, so a value that shares its parts many times costs no more than `limit` steps.
+    A container walked whole in this render is not walked again (`_state.sizes`), so a
+    template that builds on what it built walks each part once."""
     from jinja2 import Undefined
-    from jinja2.utils import Namespace
+    from jinja2.utils import Cycler, Namespace
 
-    total, stack = 0, [(value, 0)]
+    sizes = getattr(_state, "sizes", None) if not indent else None  # by id, while rendering
+    total, stack, fixed = 0, [(value, 0)], True
     while stack and total <= limit:
         v, depth = stack.pop()
         if isinstance(v, (str, bytes)):
@@ -167,14 +176,20 @@ def _size(value: Any, limit: int = MAX_CHARS, indent: int = 0) -> int:
             total += 5
         elif isinstance(v, int):
             total += v.bit_length() // 3 + 2
-        elif isinstance(v, (list, tuple, set, frozenset, dict, Namespace, *_VIEWS)):
-            if isinstance(v, Namespace):
-                v = v._Namespace__attrs  # what its repr shows
+        elif sizes and id(v) in sizes:
+            total += sizes[id(v)][1]
+        elif isinstance(v, (*_CONTAINERS, Namespace, Cycler)):
+            if isinstance(v, Namespace):  # what its repr shows; `{% set ns.x %}` changes it
+                v, fixed = v._Namespace__attrs, False
+            elif isinstance(v, Cycler):  # cycler(a, b).items
+                v = v.items
             items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else list(v)
             total += 2 + len(items) * (2 + indent * (depth + 1))
             stack.extend((x, depth + 1) for x in items)
         elif not isinstance(v, Undefined):  # a float, a macro, a loop: a short text
             total += 30
+    if sizes is not None and fixed and not stack and isinstance(value, _CONTAINERS):
+        sizes[id(value)] = (value, total)  # the value kept: its id is not reused meanwhile
     return total
 
 
@@ -251,10 +266,11 @@ def _str_method(obj: Any, args: tuple, kwargs: dict) -> tuple:
     return args
 
 
-def _result(value: Any, what: str) -> Any:
-    """A value an operation built: at most MAX_CHARS long, and counted against the render's
-    budget of everything built (many values each under the bound must not add up to
-    gigabytes)."""
+def _result(value: Any, what: str, walk: bool = True) -> Any:
+    """A value an operation built: at most MAX_CHARS long, a container at most MAX_CHARS to
+    walk (`walk`: a slice walks no more than what it was cut from), and counted against the
+    render's budget of everything built (many values each under the bound must not add up
+    to gigabytes)."""
     if isinstance(value, (str, bytes, list, tuple)):
         _check(len(value), what)
         if getattr(_state, "deadline", None) is not None:
@@ -263,6 +279,18 @@ def _result(value: Any, what: str) -> Any:
                 raise _Bound(f"builds more than {BUILD_BUDGET} characters and items in all")
     elif isinstance(value, int):
         _check_bits(value.bit_length(), what)
+    if walk:
+        _walked(value, what)
+    return value
+
+
+def _walked(value: Any, what: str) -> Any:
+    """A value the template builds: at most MAX_CHARS to walk, its shared parts counted each
+    time they are reached. A tuple doubled 40 times is 40 small tuples, but hashing or
+    comparing it walks 2^40 items in C, where no deadline is checked: so no value reaches
+    the C code that hashes and compares (a dict's keys, `loop.changed`, `list.count`, the
+    tests of `select`) bigger than the bound, whatever builds it."""
+    _check(_size(value), what)
     return value
 
 
@@ -275,7 +303,8 @@ _STRUCTURAL = {"attr", "batch", "count", "d", "default", "dictsort", "first", "g
 
 # filters and tests that compare their input's items (or their arguments) with each other: a
 # value that shares its parts (a list doubled 60 times is 60 lists, but 2^60 items to compare)
-# is counted as what comparing it walks
+# is counted as what comparing it walks (the template's input, messages and tools, may be
+# compared as much as what it builds)
 _COMPARING = {"dictsort", "groupby", "max", "min", "sort", "unique"}
 _COMPARING_TESTS = {"eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<=",
                     "gt", "greaterthan", ">", "ge", ">=", "in"}
@@ -321,6 +350,21 @@ def _bounded_filter(name: str, f):
     return bounded
 
 
+def _bounded_test(name: str, f):
+    """A test, `x is eq y` or one that select / reject / selectattr run on each item: each
+    call ticks, and the values a comparing test compares are walked at most MAX_CHARS."""
+    @wraps(f)  # keeps jinja's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        _tick()
+        if name in _COMPARING_TESTS:
+            i = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
+            for value in (*args[i:], *kwargs.values()):
+                _compared(value)
+        return f(*args, **kwargs)
+
+    return bounded
+
+
 def _loop(iterable: Any):
     """Every `{% for %}` iterates through this: a loop that writes nothing still ticks."""
     for item in iterable:
@@ -343,6 +387,7 @@ class _Refusal(Exception):
 def _environment():
     """The sandbox, built once: transformers' environment with the bounds above."""
     from jinja2 import nodes, pass_context
+    from jinja2.runtime import Macro
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from jinja2.visitor import NodeTransformer
 
@@ -351,7 +396,8 @@ def _environment():
 
     class _Bounds(NodeTransformer):
         """Rewrites a parsed template: every loop ticks, `~` is estimated before it runs,
-        slices are counted, literal text is counted as it is written (through `finalize`)."""
+        slices are counted, literal text is counted as it is written (through `finalize`),
+        the tuples, lists and dicts it writes and the values it sets are walked (_walked)."""
 
         def visit_For(self, node):
             self.generic_visit(node)
@@ -376,11 +422,19 @@ def _environment():
                 operand.expr = filtered(operand.expr, "_compared")
             return node
 
-        def visit_Test(self, node):  # `a is eq b`, `a is in b`: the same, as tests
+        def visit_Tuple(self, node):  # `(a, a)`, but not the names of `{% set a, b = ... %}`
             self.generic_visit(node)
-            if node.name in _COMPARING_TESTS:
-                node.node = filtered(node.node, "_compared")
-                node.args = [filtered(a, "_compared") for a in node.args]
+            return filtered(node, "_built") if node.ctx == "load" else node
+
+        def visit_List(self, node):
+            self.generic_visit(node)
+            return filtered(node, "_built")
+
+        visit_Dict = visit_List
+
+        def visit_Assign(self, node):  # `{% set x = ... %}`, `{% set ns.x = ... %}`
+            self.generic_visit(node)
+            node.node = filtered(node.node, "_set")
             return node
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -409,6 +463,8 @@ def _environment():
         def call(__self, __context, __obj, *args, **kwargs):
             _tick()
             _check_numbers(args, {k: v for k, v in kwargs.items() if not k.startswith("_")})
+            if isinstance(__obj, Macro) and (__obj.catch_varargs or __obj.catch_kwargs):
+                _walked((args, kwargs), "a macro's arguments")  # its varargs, its kwargs
             args = _str_method(__obj, args, kwargs)
             return _result(super().call(__context, __obj, *args, **kwargs), "a call's result")
 
@@ -434,9 +490,12 @@ def _environment():
     for name in ("wordwrap", "urlize"):  # slow on long text, and of no use to a chat template
         del env.filters[name]
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
+    env.tests = {name: _bounded_test(name, f) for name, f in env.tests.items()}
     env.filters["_loop"] = pass_context(lambda context, it: _loop(it))  # never folded early
     env.filters["_concat"] = _concat
-    env.filters["_sliced"] = lambda value: _result(value, "a slice")
+    env.filters["_sliced"] = lambda value: _result(value, "a slice", walk=False)
+    env.filters["_built"] = lambda value: _result(value, "a tuple, list or dict")
+    env.filters["_set"] = lambda value: _walked(value, "a value set ({% set %})")
     env.filters["_compared"] = pass_context(lambda context, value: _compared(value))
     del env.globals["lipsum"]
     env.globals["raise_exception"] = raise_exception
