@@ -7,15 +7,25 @@ evaluations' rewards (greedy and sampled) at the steps they ran, with their stan
 in a multi-turn run, the tool calls per rollout on a second axis.
 SFT and RFT stages log under their own prefixes and are not drawn. matplotlib draws it; a run
 without matplotlib says so once and goes on (TensorBoard has the same curves).
+
+An existing reward.png is replaced only where mini-grpo wrote it: in a run's own directory
+(outputs.RUN_MARKER), or a PNG carrying our mark (PNG's "Software" text, MARK); anything else
+is refused naming it, before anything is drawn.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 
+from .fields import ConfigError
+from .outputs import RUN_MARKER, OutputWriteError, check_file, write_atomic
+
 SMOOTH = 10  # steps in the moving average
+MARK = "mini-grpo plot"  # the PNG "Software" text of every reward.png written here
+_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def read_metrics(path: Path, calls: dict | None = None) -> tuple[dict, dict]:
@@ -62,6 +72,7 @@ def plot_rewards(out_dir: str | Path) -> Path | None:
     train, evals = read_metrics(metrics, calls)
     if not train and not any(evals.values()):
         return None
+    path = check_file(out_dir / "reward.png", ours)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if train:
         steps = sorted(train)
@@ -93,16 +104,61 @@ def plot_rewards(out_dir: str | Path) -> Path | None:
         handles, labels = handles + more[0], labels + more[1]
     ax.legend(handles, labels, loc="lower right")
     fig.tight_layout()
-    path = out_dir / "reward.png"
-    tmp = path.with_name(".reward.png.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, format="png",
+                                                   metadata={"Software": MARK}))
+    finally:
+        plt.close(fig)
     return path
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m mini_grpo.plot RUN_DIR")
-    written = plot_rewards(sys.argv[1])
+def ours(path: Path) -> bool:
+    """May `path` (an existing reward.png) be replaced: a plain file in a run's directory
+    (a run claims the names it writes there), or a PNG this module wrote, whatever the
+    directory. A symlink is the user's: replacing it would drop their link."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    return (path.parent / RUN_MARKER).is_file() or png_software(path) == MARK
+
+
+def png_software(path: Path) -> str | None:
+    """The "Software" text of a PNG file, read from the chunks before its image data (where
+    matplotlib writes it); None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)  # the header and text chunks: a few hundred bytes
+    except OSError:
+        return None
+    if not head.startswith(_PNG):
+        return None
+    at = len(_PNG)
+    while at + 8 <= len(head):
+        size, kind = struct.unpack(">I4s", head[at:at + 8])
+        data = head[at + 8:at + 8 + size]
+        if kind in (b"IDAT", b"IEND") or len(data) < size:
+            return None
+        if kind == b"tEXt":
+            key, _, text = data.partition(b"\0")
+            if key == b"Software":
+                return text.decode("latin-1")
+        at += 12 + size  # length, type, data, CRC
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m mini_grpo.plot RUN_DIR`: a refusal (a reward.png of someone else's) is one
+    line and exit 2, a failed write one line and exit 1, as every command's (cli._fail)."""
+    if len(argv) != 1:
+        print("usage: python -m mini_grpo.plot RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        written = plot_rewards(argv[0])
+    except (ConfigError, OutputWriteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     print(f"wrote {written}" if written else "nothing to plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
