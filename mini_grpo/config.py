@@ -207,7 +207,7 @@ class GRPOConfig:
 
     # ---- evaluation, logging, checkpoints ----
     eval_every: int = opt(50, "run", "1..10000000")  # greedy held-out eval every N GRPO steps
-    log_every: int = opt(1, "run", "1..10000000")  # metrics every N steps
+    log_every: int = opt(1, "run", "1..10000000")  # metrics every N steps, and at the last
     # metrics.jsonl always; plus any of tensorboard, wandb (pip install -e .[wandb])
     report_to: list = opt(["tensorboard"], "run")
     save_every: int = opt(50, "run", "1..10000000")  # GRPO checkpoint every N steps and at the end

@@ -110,7 +110,9 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         m = step_metrics(traj, res, stats, cfg, times, seconds, late)
         last = step == cfg.max_steps or bool(m.get("time/limit_reached"))
         m.update(state.metrics(), **comm_times(run.comm))
-        if run.logger and step % cfg.log_every == 0:
+        # the last step is logged whatever log_every: the row the final checkpoint and the
+        # time limit's verdict (time/limit_reached) belong to
+        if run.logger and (step % cfg.log_every == 0 or last):
             run.logger.scalars(step, m)
             run.logger.progress(step, {"reward": m["reward/mean"], "kl": m["kl"],
                                        "len": m["completion_len/mean"],

@@ -133,6 +133,19 @@ def test_max_minutes_ends_grpo_early_with_a_checkpoint_and_the_final_evaluation(
     assert [r["step"] for r in steps] == [1, 2] and "time/limit_reached" not in steps[0]
 
 
+def test_the_last_step_is_logged_whatever_log_every(tmp_path):
+    """log_every 4: steps 4 and the last, 5, as SFT logs its last; a run the time limit
+    ends at step 1 logs that step, with its time/limit_reached."""
+    cfg = tiny(tmp_path, "l", max_steps=5, log_every=4, device="cpu")
+    train(cfg)
+    assert [r["step"] for r in metrics(cfg.out_dir) if "reward/mean" in r] == [4, 5]
+    assert list_checkpoints(f"{cfg.out_dir}/checkpoints")[-1].name == "step_0000005.pt"
+    cut = tiny(tmp_path, "c", max_steps=5, log_every=4, max_minutes=1e-4, device="cpu")
+    train(cut)
+    assert [(r["step"], r["time/limit_reached"]) for r in metrics(cut.out_dir)
+            if "reward/mean" in r] == [(1, 1.0)]
+
+
 def test_a_time_limit_takes_a_step_only_if_the_slowest_recent_one_still_fits():
     now = time.monotonic()
     limit = TimeLimit(end=now + 100.0, reserve=10.0)
