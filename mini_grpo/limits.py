@@ -1,7 +1,7 @@
 """What a run's sizes must fit, refused with one line before any work starts: the processes
 and threads (batches split over ranks, fsdp's shard groups, threads against cores), the
-prompts (block_size) and one step's rows (this machine's memory). run.setup calls them in that
-order, as soon as each is known."""
+prompts and SFT's rows (block_size) and one step's rows (this machine's memory). run.setup
+calls them in that order, as soon as each is known."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from . import distributed as D
 from .config import ConfigError, GRPOConfig
+from .data import batch_indices, sft_row, sft_target
+from .fields import show
 from .models import check_batch_memory
 
 if TYPE_CHECKING:
@@ -42,6 +44,38 @@ def check_lengths(cfg: GRPOConfig, tok: Tokenizer, prompts: list) -> int:
         raise ConfigError(f"block_size: {cfg.block_size} is too small for the longest prompt "
                           f"({longest} tokens) + max_new_tokens ({cfg.max_new_tokens})")
     return longest
+
+
+# the modes whose stages (job.STAGES, which imports this module) begin with SFT on the task's
+# rows
+SFT_MODES = ("sft_grpo", "sft", "rft")
+
+
+def check_sft_lengths(cfg: GRPOConfig, tok: Tokenizer, examples: list) -> None:
+    """Where the run has an SFT stage, every training row it reads, as it reads it
+    (data.sft_row: the prompt and its target, or its multi-turn demonstration), must fit in
+    block_size; fail before work, naming the row (its file and line where it has them)."""
+    if cfg.mode not in SFT_MODES or not cfg.sft_steps:
+        return
+    # the rows train_sft's steps read, in its order (its batches are consecutive slices of
+    # one sequence): a row it never reaches is not encoded (smollm2_calculator's 30 steps
+    # read 240 of 20000 demonstrations, each a chat template rendered)
+    n = len(examples)
+    read = sorted(set(batch_indices(n, min(n, cfg.sft_steps * cfg.sft_batch_size), 0,
+                                    cfg.seed)))
+    multi_turn = bool(cfg.tools or cfg.environment)  # as train_sft picks each row's target
+    for i in read:
+        ex = examples[i]
+        target = sft_target(ex, multi_turn)
+        ids, _ = sft_row(tok, ex.model_input, target)
+        if len(ids) > cfg.block_size:
+            prompt = len(tok.encode_prompt(ex.model_input))
+            what = "demonstration conversation" if isinstance(target, list) else "target"
+            raise ConfigError(
+                f"block_size: {cfg.block_size} is too small for SFT on "
+                f"{ex.where or f'training row {i + 1}'} (prompt {show(ex.prompt)}): its "
+                f"prompt ({prompt} tokens) and {what} ({len(ids) + 1 - prompt} tokens, EOS "
+                f"included) need {len(ids)} positions (the last token is predicted, not read)")
 
 
 def check_step_memory(cfg: GRPOConfig, model_cfg, world_size: int, tokens: int) -> None:

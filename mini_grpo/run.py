@@ -42,7 +42,7 @@ from .dtype_probe import probe_dtypes
 from .engines import Engine, check_engine, make_engine
 from .engines.native import NativeEngine
 from .engines.turns import ToolSetup
-from .limits import check_lengths, check_step_memory, check_world
+from .limits import check_lengths, check_sft_lengths, check_step_memory, check_world
 from .logger import RunLogger
 from .lora import ADAPTER_FILES, LoRAFacts, is_lora, store_base_in
 from .models import CausalLM, build, spec
@@ -204,6 +204,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         longest = check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval]) \
             if data is not None else 0
         if train and data is not None:
+            check_sft_lengths(cfg, tok, data.train)
             check_step_memory(cfg, model.cfg, dist.world_size,
                               min(longest + cfg.max_new_tokens, model.cfg.block_size))
         precision = resolve_precision(cfg, device, lambda parts: probe_dtypes(model, cfg, parts),

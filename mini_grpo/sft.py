@@ -26,7 +26,7 @@ from . import fsdp
 from .checkpoint import CheckpointError, latest_checkpoint, load_weights, set_rng_state
 from .chunked import SFT_CPU_BUDGET_BYTES, token_logprobs
 from .config import ConfigError, GRPOConfig, load_config
-from .data import batch_indices, sft_batch, shard
+from .data import batch_indices, sft_batch, sft_target, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .options import keys_with
@@ -67,7 +67,7 @@ def stage_inputs(run: Run, examples, tag: str = "sft") -> dict:
     multi_turn = bool(run.cfg.tools or run.cfg.environment)
     digest = hashlib.sha256()
     for ex in examples:
-        digest.update(json.dumps([ex.model_input, _sft_target(ex, multi_turn)]).encode())
+        digest.update(json.dumps([ex.model_input, sft_target(ex, multi_turn)]).encode())
         digest.update(b"\n")
     return {"tokenizer": run.tok.state(), "data": f"{tag}:{digest.hexdigest()}"}
 
@@ -121,7 +121,7 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
 
     Defaults: the task's training split, cfg.sft_steps at cfg.sft_lr, into <out_dir>/sft.
     The RFT stage passes its accepted rows instead; a row is trained on its conversation
-    (multi-turn), its accepted completion, or its target (`_sft_target`).
+    (multi-turn), its accepted completion, or its target (`data.sft_target`).
     """
     cfg, dist, model = run.cfg, run.dist, run.model
     examples = run.task.train if examples is None else examples
@@ -140,7 +140,7 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     t0, tokens = time.perf_counter(), 0
     for step in range(1, steps + 1):
         idx = batch_indices(len(examples), cfg.sft_batch_size, step - 1, cfg.seed)
-        pairs = [(examples[i].model_input, _sft_target(examples[i], multi_turn))
+        pairs = [(examples[i].model_input, sft_target(examples[i], multi_turn))
                  for i in shard(idx, dist.rank, dist.world_size)]
         x, y = sft_batch(run.tok, pairs, run.device)
         lr = state.begin(step)
@@ -164,18 +164,6 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
     path = state.save(steps, optimizer=False, directory=directory, keep=1, extra=inputs)
     run.print0(f"[{tag}] done in {(time.perf_counter() - t0) / 60:.1f}m, saved {path}")
     return state.guard.amp
-
-
-def _sft_target(ex, multi_turn: bool) -> str | list[dict]:
-    """What SFT trains a row on: where the run has tools or an environment, a multi-turn
-    demonstration (meta "conversation": the task's, e.g. calculator's, or the whole
-    conversation RFT kept, whose `completion` is only its last turn); else the completion
-    RFT accepted, else the target."""
-    if multi_turn and isinstance(ex.meta.get("conversation"), list):
-        return ex.meta["conversation"]
-    if "completion" in ex.meta:
-        return ex.meta["completion"]
-    return ex.target
 
 
 def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:

@@ -1,15 +1,25 @@
 """Length handling: mask_truncated leaves rows cut off at max_new_tokens out of the loss (DAPO),
-overlong_penalty scores lengths sampling recorded, and the step logs the truncated fraction."""
+overlong_penalty scores lengths sampling recorded, the step logs the truncated fraction, and an
+SFT row longer than block_size is refused before any work."""
 
+import json
+import os
+
+import pytest
 import torch
 from conftest import metrics, tiny
 from ddp_grad_worker import G, make_batch
 
-from mini_grpo.config import load_config
+from mini_grpo.config import ConfigError, load_config
+from mini_grpo.data import batch_indices
 from mini_grpo.engines.base import Rollout
-from mini_grpo.job import train
+from mini_grpo.job import STAGES, train
+from mini_grpo.limits import SFT_MODES, check_sft_lengths
 from mini_grpo.models import GPT, GPTConfig
+from mini_grpo.outputs import RUN_MARKER
 from mini_grpo.rewards.text import overlong_penalty
+from mini_grpo.tasks import Example
+from mini_grpo.tokenizer import CharTokenizer
 from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory
 
@@ -73,3 +83,45 @@ def test_a_step_whose_rows_all_carry_no_loss_still_runs_one_cheap_pass():
     assert not traj.loss_mask.any()
     assert [(c.rows.tolist(), c.width) for c in traj.plan] == [([0], 1)]
     assert int(r.completion_mask[0].sum()) == 10
+
+
+def test_an_sft_row_longer_than_the_block_is_refused_naming_its_line(tmp_path):
+    """block_size 100, max_new_tokens 40: the prompts fit, but SFT reads prompt + target.
+    Row 4's 'q3' (BOS + 2 characters) and a target of 97 characters + EOS are 101 tokens, 100
+    positions read: it trains; one character more was an IndexError deep in the model, and is
+    now refused at setup naming the file's line and the lengths, before any work."""
+    def run(long: int):
+        data = tmp_path / f"rows{long}.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"q{i}", "target": "x" * (
+            long if i == 3 else 5)}) + "\n" for i in range(40)))
+        out = tmp_path / f"run{long}"
+        train(tiny(out, task="jsonl", data_path=data, mode="sft", sft_steps=3, block_size=100,
+                   max_new_tokens=40, num_eval=4))  # 3 steps of 16 read all 36 train rows
+        return data, out
+
+    run(97)
+    with pytest.raises(ConfigError) as e:
+        run(98)
+    data, out = tmp_path / "rows98.jsonl", tmp_path / "run98"
+    assert str(e.value) == (
+        f"block_size: 100 is too small for SFT on {data}:4 (prompt 'q3'): its prompt (3 "
+        f"tokens) and target (99 tokens, EOS included) need 101 positions (the last token is "
+        f"predicted, not read)")
+    assert os.listdir(out) == [RUN_MARKER]
+
+
+def test_only_the_rows_sft_reads_are_checked():
+    """SFT reads sft_steps x sft_batch_size rows in batch_indices' order: a long row it never
+    reaches costs nothing (and is not encoded); one it reads is refused. Without an SFT stage
+    nothing is checked."""
+    cfg = tiny(mode="sft", sft_steps=1, sft_batch_size=1, block_size=20, max_new_tokens=4)
+    tok = CharTokenizer("abx")
+    read = batch_indices(2, 1, 0, cfg.seed)[0]
+    rows = [Example("a", "b"), Example("a", "b")]
+    rows[1 - read] = Example("a", "x" * 50)
+    check_sft_lengths(cfg, tok, rows)
+    rows[read] = Example("a", "x" * 50)
+    with pytest.raises(ConfigError, match=f"SFT on training row {read + 1} "):
+        check_sft_lengths(cfg, tok, rows)
+    check_sft_lengths(tiny(mode="grpo", block_size=20, max_new_tokens=4), tok, rows)
+    assert set(SFT_MODES) == {mode for mode, stages in STAGES.items() if "sft" in stages}

@@ -9,10 +9,9 @@ import pytest
 from conftest import tiny, tiny_lm_dir
 
 from mini_grpo.conversation import encode_conversation
-from mini_grpo.data import sft_batch
+from mini_grpo.data import sft_batch, sft_target
 from mini_grpo.fields import ConfigError
 from mini_grpo.rft import first_prompts, generate_rft_data
-from mini_grpo.sft import _sft_target
 from mini_grpo.tasks import load_jsonl
 
 pytest.importorskip("transformers")
@@ -103,7 +102,7 @@ def test_an_environment_s_conversations_and_rewards_survive_an_interrupted_run(l
         assert r["reward"] == pytest.approx(r["rewards"]["guesses"] + r["rewards"]["env"])
     assert any(len(r["conversation"]) > 1 for r in rows)  # the environment answered
     loaded = load_jsonl(out)
-    assert [_sft_target(ex, True) for ex in loaded] == [r["conversation"] for r in rows]
+    assert [sft_target(ex, True) for ex in loaded] == [r["conversation"] for r in rows]
 
 
 def test_the_sft_target_of_a_record_labels_exactly_the_model_s_tokens(lm, tmp_path):
@@ -117,8 +116,8 @@ def test_the_sft_target_of_a_record_labels_exactly_the_model_s_tokens(lm, tmp_pa
     path = tmp_path / "rft.jsonl"
     path.write_text(record())
     ex = load_jsonl(path)[0]
-    assert _sft_target(ex, True) == TALK and _sft_target(ex, False) == TALK[-1]["content"]
-    x, y = sft_batch(tok, [(ex.model_input, _sft_target(ex, True))])
+    assert sft_target(ex, True) == TALK and sft_target(ex, False) == TALK[-1]["content"]
+    x, y = sft_batch(tok, [(ex.model_input, sft_target(ex, True))])
     seq, own = encode_conversation(tok, ex.model_input, TALK)
     p = len(seq) - len(own)
     assert x[0].tolist() == seq[:-1]
@@ -127,6 +126,30 @@ def test_the_sft_target_of_a_record_labels_exactly_the_model_s_tokens(lm, tmp_pa
     assert 0 < sum(own) < len(own)  # the tool's answer is in the row, unlabelled
     labelled = tok.tk.decode([t for t in y[0].tolist() if t >= 0], skip_special_tokens=False)
     assert labelled == CALL + "<|im_end|><answer>109474</answer><|im_end|>"
+
+
+def test_a_demonstration_longer_than_the_block_is_refused_where_sft_trains_on_it(lm, tmp_path):
+    """With tools SFT trains on a row's conversation, the tools' answers inside it: one that
+    does not fit block_size is refused at setup, naming its line; without tools SFT trains
+    on the completion alone, which fits."""
+    from mini_grpo.data import sft_row
+    from mini_grpo.limits import check_sft_lengths
+    from mini_grpo.tokenizer import HFTokenizer
+    from mini_grpo.tools import tool_schemas
+
+    tok = HFTokenizer.from_dir(lm)
+    tok.configure_chat("auto", "", tool_schemas(["calculator"]))
+    path = tmp_path / "rft.jsonl"
+    long = [TALK[0], {**TALK[1], "content": "1" * 300}, TALK[2]]
+    path.write_text(record() + record(long))
+    rows = load_jsonl(path)
+    block = len(sft_row(tok, rows[0].model_input, TALK)[0])  # the first row just fits
+    over = {"init_from": str(lm), "mode": "sft", "block_size": block, "max_new_tokens": 8}
+    with pytest.raises(ConfigError, match=f"SFT on {path}:2 .*: its prompt .* and "
+                                          f"demonstration conversation"):
+        check_sft_lengths(tiny(tools=json.dumps(["calculator"]), **over), tok, rows)
+    check_sft_lengths(tiny(tools=json.dumps(["calculator"]), **over), tok, rows[:1])
+    check_sft_lengths(tiny(**over), tok, rows)
 
 
 @pytest.mark.parametrize("talk, why", [

@@ -20,6 +20,8 @@ class Example:
     target: str  # the reference answer, e.g. a FEN
     meta: dict = field(default_factory=dict)  # extra JSON-able fields, passed to reward plugins
     messages: list[dict] | None = None  # a chat row's conversation, rendered by the template
+    # the file and line a row was read from ("" for generated rows): what an error names
+    where: str = field(default="", compare=False)
 
     @property
     def model_input(self) -> str | list[dict]:

@@ -110,7 +110,7 @@ def load_jsonl(path, tokenizer=None,
                 if bad:
                     raise ConfigError(f"{where}: row {len(rows) + 1}: characters the tokenizer "
                                       f"cannot encode: {''.join(bad)!r}")
-            ex = Example(prompt, target, obj, messages)
+            ex = Example(prompt, target, obj, messages, where)
             why = check(ex) if check is not None else None
             if why:
                 raise ConfigError(f"{where}: row {len(rows) + 1}: {why}")
