@@ -92,7 +92,8 @@ def test_a_run_from_a_hugging_face_directory_exports_what_transformers_loads(lm,
 
 
 def test_a_run_from_a_hugging_face_directory_resumes(lm, trained):
-    cfg = tiny(trained, init_from=str(lm), mode="grpo", max_steps=3, block_size=256)
+    cfg = tiny(trained, init_from=str(lm), mode="sft_grpo", sft_steps=4, max_steps=3,
+               block_size=256)
     train(cfg)  # the stored BPE tokenizer equals this run's: no refusal
     assert load_checkpoint(list_checkpoints(trained / "checkpoints")[-1])["step"] == 3
 
