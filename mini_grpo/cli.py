@@ -183,12 +183,15 @@ def sample_main(argv: list[str]) -> int:
         from .engines import Sampling
         from .run import setup
 
-        overrides = ["--device=cpu", "--compile_model=false", "--rewards=null"]
+        # a few prompts: on the CPU and not compiled, unless the user's --key=value says so
+        # (they came after these and lost: --device=cuda sampled on the CPU, silently)
+        defaults = ["--device=cpu", "--compile_model=false"]
+        overrides = ["--rewards=null"]
         if not args.greedy and args.temperature is not None:  # --greedy takes any
             overrides.append(f"--temperature={args.temperature}")
         if args.max_new_tokens:
             overrides.append(f"--max_new_tokens={args.max_new_tokens}")
-        state, cfg = _from_checkpoint(args.checkpoint, [*rest, *overrides])
+        state, cfg = _from_checkpoint(args.checkpoint, [*defaults, *rest, *overrides])
         with setup(cfg, checkpoint=state, log=False, task=False, train=False) as run:
             run.sync_engine()
             for p in args.prompt:

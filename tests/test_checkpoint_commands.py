@@ -44,6 +44,7 @@ def test_sample_export_evaluate_and_resume_take_a_checkpoint_of_every_task(tmp_p
 
 def test_sample_uses_the_checkpoints_temperature_unless_told(tmp_path, monkeypatch):
     from mini_grpo import engines
+    from mini_grpo import run as run_module
     out = tmp_path / "run"
     train(tiny(out, max_steps=1, temperature=0.7))
     ckpt = str(list_checkpoints(out / "checkpoints")[-1])
@@ -54,6 +55,14 @@ def test_sample_uses_the_checkpoints_temperature_unless_told(tmp_path, monkeypat
     assert main(args) == 0
     assert main([*args, "--temperature", "1.3"]) == 0
     assert seen == [0.7, 1.3]
+    # sample's own defaults (the CPU, no compiling) give way to the user's: --device came
+    # before them and lost, so a GPU was never used
+    devices, setup = [], run_module.setup
+    monkeypatch.setattr(run_module, "setup", lambda cfg, **kw: devices.append(
+        cfg.device) or setup(cfg, **kw))
+    assert main([*args, "--device=auto"]) == 0
+    assert main(args) == 0
+    assert devices == ["auto", "cpu"]
 
 
 def test_a_config_file_comes_between_the_checkpoint_and_the_command_line(tmp_path, monkeypatch,
