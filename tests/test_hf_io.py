@@ -161,3 +161,18 @@ def test_a_weight_in_two_shards_is_refused(tmp_path):
     ours = name.removeprefix("transformer.").replace("h.", "blocks.", 1)
     assert str(e.value) == (f"{path}: weight {ours} is stored twice ({name} in {first.name}, "
                             f"{name} in {last.name})")
+
+
+@pytest.mark.parametrize("named, want", [("bfloat16", torch.bfloat16), ("float64", torch.float32),
+                                         ("auto", torch.float32), (None, torch.float32),
+                                         (["float16"], torch.float32)])
+def test_export_in_auto_takes_the_config_s_dtype_where_it_is_one_we_write(named, want):
+    """A config.json of "float64" loaded, then ended the finished run in a traceback at its
+    export (export_dtype: auto)."""
+    from mini_grpo.models.hf import export_dtype
+
+    class Model:
+        hf_config = {"torch_dtype": named}
+
+    assert export_dtype(Model()) == want
+    assert export_dtype(Model(), "float16") == torch.float16

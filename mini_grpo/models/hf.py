@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CheckpointError, check_shapes
+from ..fields import ConfigError
 from ..jsonio import read_json_object
 from ..outputs import replace_dir
 from . import CausalLM, GPTConfig, LlamaConfig, build, check_size
@@ -298,14 +299,17 @@ def load_hf_model(path: str | Path, dtype: torch.dtype | None = None,
 
 def export_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
     """The dtype to export in: `name`, or for auto the one the model's config.json names
-    (a pretrained checkpoint's own), else float32."""
+    (a pretrained checkpoint's own) where it is one we write, else float32 (a config.json's
+    "float64" or "auto" had ended a finished run in a traceback at its export)."""
+    ours = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name == "auto":
         config = getattr(model, "hf_config", None) or {}
-        name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = getattr(torch, str(name), None)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {name!r}")
-    return dtype
+        named = config.get("dtype") or config.get("torch_dtype")
+        return ours.get(named, torch.float32) if isinstance(named, str) else torch.float32
+    if name not in ours:
+        raise ConfigError(f"export_dtype: must be auto, float32, bfloat16 or float16, got "
+                          f"{name!r}")
+    return ours[name]
 
 
 def export_config(model: CausalLM, dtype: torch.dtype) -> dict:
