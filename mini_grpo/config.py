@@ -365,10 +365,15 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
         if not rows:
             notes.append(f"{path} sets nothing: every key takes its default")
     env = os.environ if env is None else env
+    applied = []
     for var, key in ENV_VARS.items():
         if var in env:
             layers.set(key, env[var], f"environment variable {var}: ")
+            if key not in (overrides or {}):
+                applied.append(f"{var}={env[var]!r} ({key})")
     layers.end_layer("the environment")
+    if applied:  # generic names (SEED, OUT_DIR, NUM_WORKERS) that a shell may hold for
+        notes.append("from the environment: " + ", ".join(applied))  # another tool
     for key, value in (overrides or {}).items():
         layers.set(key, value, "command line: --", replace=True)
     layers.end_layer("the command line")
@@ -378,7 +383,8 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
         cfg.validate()
     except ConfigError as e:  # its message opens with the field: say where that was set
         where = {**layers.where, **{f"task_args.{k}": v for k, v in task_args_from.items()}}
-        fields = [k for k in where if str(e).startswith(f"{k}:")]  # a key may hold a ':'
+        # a key may hold a ':'; "rewards[0].weight: ..." is the rewards key's
+        fields = [k for k in where if str(e).startswith((f"{k}:", f"{k}["))]
         if fields:
             raise ConfigError(where[max(fields, key=len)] + str(e)) from None
         raise

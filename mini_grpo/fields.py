@@ -157,16 +157,22 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
         if not math.isfinite(value):  # NaN/Inf pass every `<= 0` check and break runs later
             raise ConfigError(f"{where}{key}: must be a finite number, got {show(value)}")
         return float(value)
+    # YAML reads a bare on, off, yes or no as a boolean: `generation_amp: off` was refused
+    # as "got False"
+    yaml_bool = " (YAML reads a bare on/off/yes/no as true/false: quote it)" \
+        if isinstance(value, bool) else ""
     if tp is str:
         if isinstance(value, str):
             return value
-        raise bad()
+        raise ConfigError(f"{bad()}{yaml_bool}")
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            return "on" if value else "off"
         if isinstance(value, str) and value.strip() in choices:
             return value.strip()
         raise ConfigError(f"{where}{key}: must be one of {', '.join(choices)}, "
-                          f"got {show(value)}")
+                          f"got {show(value)}{yaml_bool}")
     if tp in (list, dict):
         if isinstance(value, tp):
             return value

@@ -440,3 +440,24 @@ def test_no_module_lists_config_keys_by_hand():
     assert found == []
 
 
+
+
+def test_yaml_s_bare_on_and_off_and_where_a_reward_s_weight_was_set(tmp_path, capsys):
+    """YAML reads a bare `off` as false: `generation_amp: off` was refused ("got False").
+    A bad rewards[i].weight named no file or line. Environment variables with generic names
+    (SEED, NUM_WORKERS) set fields without a word."""
+    f = tmp_path / "c.yaml"
+    f.write_text("generation_amp: off\nchat_template: on\n")
+    cfg = load_config(str(f), env={})
+    assert (cfg.generation_amp, cfg.chat_template) == ("off", "on")
+    f.write_text("init_from: off\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:1: init_from: expected .* got False "
+                                          r"\(YAML reads a bare on/off/yes/no"):
+        load_config(str(f), env={})
+    f.write_text("rewards:\n  - name: fen_valid\n    weight: abc\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:1: rewards\[0\]\.weight: must be a finite"):
+        load_config(str(f), env={})
+    capsys.readouterr()
+    cfg = load_config(None, {"use_amp": "false"}, env={"SEED": "5", "USE_AMP": "true"})
+    assert (cfg.seed, cfg.use_amp) == (5, False)
+    assert "note: from the environment: SEED='5' (seed)\n" in capsys.readouterr().err
