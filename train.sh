@@ -9,7 +9,9 @@
 # Feature switches (USE_AMP, MAX_STEPS, ...: `./train.sh --help` lists them all) are read by
 # the config loader itself, in every rank; see README's table.
 set -euo pipefail
-cd "$(dirname "$0")"
+# the repository, for the script and its interpreter; paths the user gives (CONFIG, out_dir,
+# data_path) stay relative to where they ran this, as with distributed_train.py itself
+HERE="$(cd "$(dirname "$0")" && pwd)"
 
 default_nproc() {
     local n=0
@@ -24,8 +26,8 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
-PYTHON=${PYTHON:-.venv/bin/python}
-[ -x "$PYTHON" ] || PYTHON=python3
+PYTHON=${PYTHON:-$HERE/.venv/bin/python}
+[ -x "$PYTHON" ] || command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
     echo "usage: [VAR=value ...] ./train.sh [--key=value ...]"
@@ -43,7 +45,7 @@ if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
     echo
     echo "feature switches, read by the config in every rank (unset: the config's value):"
     # the config's own list (the fields that declare a variable), never a copy of it
-    for v in $("$PYTHON" -c "from mini_grpo.config import ENV_VARS; print(*ENV_VARS)"); do
+    for v in $(cd "$HERE" && "$PYTHON" -c "from mini_grpo.config import ENV_VARS; print(*ENV_VARS)"); do
         row "$v" "${!v:-}" ""
     done
     exit 0
@@ -55,5 +57,8 @@ if [ "$NNODES" -gt 1 ]; then
 else
     rdzv=(--standalone)  # picks a free port: never collides with another job on 29500
 fi
+# the config first, in one process: a bad key or value is one line and exit 2 here, not one
+# traceback per rank from torchrun (and MAX_RESTARTS tries of it)
+"$PYTHON" "$HERE/distributed_train.py" --config "$CONFIG" "$@" --print-config >/dev/null
 exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NPROC" \
-    --max_restarts="$MAX_RESTARTS" distributed_train.py --config "$CONFIG" "$@"
+    --max_restarts="$MAX_RESTARTS" "$HERE/distributed_train.py" --config "$CONFIG" "$@"

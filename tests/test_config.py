@@ -169,6 +169,22 @@ def test_train_sh_help_lists_every_environment_variable():
         assert f"{var}=" in r.stdout, var
 
 
+def test_train_sh_reads_paths_from_where_it_runs_and_refuses_bad_input_in_one_line(tmp_path):
+    """train.sh changed into the repository, so CONFIG=./mine.yaml was "not found" and
+    --out_dir=x landed in the repository; and a bad value was a torchrun traceback per
+    rank, MAX_RESTARTS times over."""
+    (tmp_path / "mine.yaml").write_text("seed: 3\nbogus_key: 1\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "MAX_RESTARTS")}
+    run = lambda *args, **extra: subprocess.run(
+        ["bash", str(ROOT / "train.sh"), *args], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env={**env, **extra})
+    r = run(CONFIG="./mine.yaml", MAX_RESTARTS="3")
+    assert r.returncode == 2 and r.stderr == "error: mine.yaml:2: unknown key 'bogus_key'\n"
+    r = run("--lr=abc", CONFIG="tiny")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: command line: --lr: expected a number, got 'abc'"]
+
+
 def test_every_shipped_config_loads_and_opens_with_its_launch_command():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(str(path), env={})
