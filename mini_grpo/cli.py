@@ -396,6 +396,9 @@ COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_mai
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["--help"], ["-h"]):  # asked for: stdout, exit 0
+        print(__doc__.split("\n\n")[1])
+        return 0
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from .config_layers import LEGACY_TASK_ARGS, Layers, resolve_config_path
-from .fields import ConfigError, parse_cli, read_yaml_mapping, show
+from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
 from .options import check_ranges, env_vars, opt
 from .task_registry import MAX_GENERATED, resolve_task_args
 
@@ -345,6 +345,23 @@ def _check_rewards(rewards: Any) -> None:
             raise ConfigError(f"rewards[{i}].weight: must be a finite number, got {show(w)}")
 
 
+def from_environment(cfg: GRPOConfig, env=None) -> list[str]:
+    """"VAR='value' (field)" for each environment variable whose value `cfg` holds: some have
+    names other tools use too (SEED, OUT_DIR, NUM_WORKERS), and a shell's would set a run's
+    fields unseen. (A command-line value equal to the variable's is counted too.)"""
+    env = os.environ if env is None else env
+    out = []
+    for var, key in ENV_VARS.items():
+        if var in env:
+            try:
+                held = coerce(key, env[var], TYPES[key]) == getattr(cfg, key)
+            except ConfigError:
+                held = False
+            if held:
+                out.append(f"{var}={env[var]!r} ({key})")
+    return out
+
+
 def load_config(config: str | None = None, overrides: dict[str, Any] | None = None,
                 env: dict[str, str] | None = None, base: dict[str, Any] | None = None,
                 base_where: str = "") -> GRPOConfig:
@@ -365,15 +382,10 @@ def load_config(config: str | None = None, overrides: dict[str, Any] | None = No
         if not rows:
             notes.append(f"{path} sets nothing: every key takes its default")
     env = os.environ if env is None else env
-    applied = []
     for var, key in ENV_VARS.items():
         if var in env:
             layers.set(key, env[var], f"environment variable {var}: ")
-            if key not in (overrides or {}):
-                applied.append(f"{var}={env[var]!r} ({key})")
     layers.end_layer("the environment")
-    if applied:  # generic names (SEED, OUT_DIR, NUM_WORKERS) that a shell may hold for
-        notes.append("from the environment: " + ", ".join(applied))  # another tool
     for key, value in (overrides or {}).items():
         layers.set(key, value, "command line: --", replace=True)
     layers.end_layer("the command line")

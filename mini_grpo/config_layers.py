@@ -24,7 +24,7 @@ def unknown_key(key: str, where: str, fields: Iterable[str]) -> ConfigError:
                            f"task_args: {{{key}: ...}} in YAML, or --task_args.{key}=...")
     close = difflib.get_close_matches(key, list(fields), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ConfigError(f"{where}unknown key '{key}'{hint}")
+    return ConfigError(f"{where}{key}: unknown key{hint}")  # as task_args' keys say it
 
 
 def resolve_config_path(name: str) -> Path:

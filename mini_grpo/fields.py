@@ -219,7 +219,12 @@ def read_yaml_mapping(path: Path) -> dict[str, tuple[Any, int]]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: must be a mapping of key: value, got {type(data).__name__}")
-    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value}
+    lines = {}
+    for k, _ in node.value:  # YAML lets a later `lr:` win over an earlier one, silently
+        if k.value in lines:
+            raise ConfigError(f"{path}:{k.start_mark.line + 1}: {k.value}: set twice (line "
+                              f"{lines[k.value]} too)")
+        lines[k.value] = k.start_mark.line + 1
     return {str(k): (v, lines.get(str(k), 0)) for k, v in data.items()}
 
 
@@ -237,6 +242,8 @@ def parse_cli(argv: list[str]) -> tuple[str | None, dict[str, str]]:
             value, i = argv[i + 1], i + 1
         key = key.replace("-", "_")
         if key == "config":
+            if not value.strip():  # `--config=` from an unset shell variable: not the defaults
+                raise ConfigError("--config: empty (a name in configs/ or a YAML file)")
             config = value
         else:
             overrides[key] = value

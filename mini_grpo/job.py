@@ -23,7 +23,7 @@ from .checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
-from .config import ConfigError, GRPOConfig, load_config
+from .config import ConfigError, GRPOConfig, from_environment, load_config
 from .evaluate import evaluate, format_table, trivial_baselines
 from .lora import is_lora, merged_state_dict, save_adapter
 from .models.hf import export_dtype, save_hf
@@ -58,6 +58,8 @@ def train(cfg) -> dict:
             if changed:
                 run.logger.event(resume["step"], "resumed with changed options: "
                                  + ", ".join(changed))
+        if from_environment(cfg):
+            run.print0("[mini-grpo] from the environment: " + ", ".join(from_environment(cfg)))
         if cfg.max_minutes and "grpo" not in stages:
             run.print0(f"[mini-grpo] max_minutes {cfg.max_minutes:g}: only GRPO stops at the "
                        f"limit, and mode {cfg.mode} has no GRPO stage: its stages run to "

@@ -122,7 +122,7 @@ def test_a_checkpoint_never_imports_a_plugin_only_it_names(checkpoint, tmp_path)
     # saved before specs were stored: the config's model fields describe it
     ({"spec": "drop", "n_layer": 3}, "its model has 3 layers, its weights 2"),
     ({"spec": "drop", "n_embd": 64}, "mismatched weights"),
-    ({"lrr": 0.1}, "config key unknown key 'lrr'"),
+    ({"lrr": 0.1}, "config key lrr: unknown key"),
     ({"lr": "fast"}, "lr: expected a number"),
     ({"temperature": float("nan")}, "temperature: must be a finite number"),
 ])
