@@ -479,3 +479,18 @@ def test_yaml_s_bare_on_and_off_and_where_a_reward_s_weight_was_set(tmp_path, mo
     env = {"SEED": "5", "USE_AMP": "true"}
     cfg = load_config("tiny", {"use_amp": "false"}, env=env)
     assert from_environment(cfg, env) == ["SEED='5' (seed)"]  # the command line's use_amp won
+
+
+def test_a_key_set_twice_an_empty_config_and_help(tmp_path, capsys):
+    from mini_grpo.cli import main
+
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 1\nseed: 2\nlr: 2\n")  # YAML's last one had won, silently
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: lr: set twice \(line 1 too\)"):
+        load_config(str(f), env={})
+    with pytest.raises(ConfigError, match="--config: empty"):  # had meant the defaults
+        parse_cli(["--config="])
+    with pytest.raises(ConfigError, match="command line: --bogus: unknown key"):
+        load_config(None, {"bogus": "1"}, env={})
+    capsys.readouterr()
+    assert main(["--help"]) == 0 and "mini-grpo train" in capsys.readouterr().out
