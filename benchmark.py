@@ -383,6 +383,19 @@ def format_scaling(r: dict) -> str:
         f"FSDP {r['fsdp_speedup']:.2f}x"])
 
 
+def _result_file(path: str) -> dict:
+    """A results file's JSON object; ConfigError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read a results file "
+                          f"({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a results file (a JSON object)")
+    return data
+
+
 def compare(path_a: str, path_b: str) -> str:
     """Ratios B / A of every number the two result files share."""
     def flat(d, prefix=""):
@@ -391,7 +404,7 @@ def compare(path_a: str, path_b: str) -> str:
                 yield from flat(v, f"{prefix}{k}.")
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield f"{prefix}{k}", v
-    a, b = (dict(flat(json.load(open(p)))) for p in (path_a, path_b))
+    a, b = (dict(flat(_result_file(p))) for p in (path_a, path_b))
     lines = [f"{'metric':<48} {'A':>12} {'B':>12} {'B/A':>8}"]
     for k in a:
         if k in b and a[k]:
@@ -421,7 +434,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     args, rest = ap.parse_known_args(argv)
     if args.compare:
-        print(compare(*args.compare))
+        try:
+            print(compare(*args.compare))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     try:
         overrides = parse_cli(rest)[1]

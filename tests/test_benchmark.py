@@ -121,3 +121,19 @@ def test_the_rollout_engines_side_by_side_on_a_hugging_face_model(tmp_path):
     assert set(rft["completions_per_s"]) == engines - {"transformers"}
     assert all(v > 0 for v in rft["completions_per_s"].values())
     assert "RFT data (" in r.stdout and "completions/s" in r.stdout
+
+
+def test_compare_names_a_file_it_cannot_read(tmp_path):
+    """A missing file was a FileNotFoundError traceback, a JSON list an AttributeError."""
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "a.json").write_text(json.dumps({"step": {"seconds": 2.0}}))
+    (tmp_path / "b.json").write_text(json.dumps({"step": {"seconds": 1.0}}))
+    run = lambda *files: subprocess.run([sys.executable, "benchmark.py", "--compare", *files],
+                                        cwd=ROOT, capture_output=True, text=True,
+                                        env=clean_env(), timeout=120)
+    for files, why in [((tmp_path / "none.json", tmp_path / "a.json"), "No such file"),
+                       ((tmp_path / "list.json", tmp_path / "a.json"), "not a results file")]:
+        r = run(*map(str, files))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    r = run(str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert r.returncode == 0 and "step.seconds" in r.stdout and "0.500" in r.stdout
