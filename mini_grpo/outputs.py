@@ -65,8 +65,13 @@ def write_reason(e: BaseException) -> str:
 
 
 def check_parent(output: str | Path, what: str = "output") -> None:
-    """ConfigError unless `output`'s nearest existing ancestor is a directory (a missing
-    parent is made later, as mkdir -p does; a file in the way cannot be)."""
+    """ConfigError unless `output` is no symbolic link and its nearest existing ancestor is a
+    directory (a missing parent is made later, as mkdir -p does; a file in the way cannot
+    be). A link is refused, dangling or not: the rename that writes a file whole would put a
+    plain file in the place of the link the user made."""
+    if os.path.islink(output):
+        raise ConfigError(f"{what} {output}: is a symbolic link; not replaced (name the file "
+                          f"it points to, or another name)")
     above = next(p for p in Path(output).absolute().parents if p.exists())
     if not above.is_dir():
         raise ConfigError(f"{what} {output}: {above} is not a directory")
@@ -148,10 +153,10 @@ def check_file(output: str | Path, owned: Callable[[Path], bool]) -> Path:
     """A file that may be (re)written: absent, or one `owned` says this command wrote;
     ConfigError naming it otherwise."""
     out = Path(output)
+    check_parent(out)  # first: a link is refused as a link, whatever it points to
     if out.exists() and not (out.is_file() and owned(out)):
         raise ConfigError(f"output {output}: exists and was not written by this command; not "
                           f"overwritten (choose another name)")
-    check_parent(out)
     return out
 
 

@@ -279,3 +279,30 @@ def test_swap_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, mo
     monkeypatch.undo()
     swap_dir(new, out, durable=True)
     assert (out / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]
+
+
+def test_a_symlink_as_an_output_file_is_refused_and_stays_a_link(tmp_path, capsys):
+    """`export --output link.gguf`, `evaluate --json link.json`: the rename that writes a
+    file whole would turn the user's link into a plain file; a link is refused, naming it,
+    whether it points to one of our files or nowhere. (A directory output is resolved
+    instead: its target is written, the link stays.)"""
+    from mini_grpo.cli import _check_gguf_output, evaluate_main
+    from mini_grpo.outputs import check_file, write_json, written_by
+
+    ours = write_json(tmp_path / "ours.json", {"a": 1}, "mini-grpo evaluate")
+    os.symlink(ours, tmp_path / "link.json")
+    os.symlink(tmp_path / "nowhere.json", tmp_path / "dangling.json")
+    for link in ("link.json", "dangling.json"):
+        with pytest.raises(ConfigError, match=f"{link}: is a symbolic link; not replaced"):
+            write_json(tmp_path / link, {"a": 2}, "mini-grpo evaluate")
+        with pytest.raises(ConfigError, match=f"{link}: is a symbolic link"):
+            check_file(tmp_path / link, written_by("mini-grpo evaluate"))
+        assert evaluate_main(["--checkpoint", str(tmp_path / "none.pt"),
+                              "--json", str(tmp_path / link)]) == 2
+        assert f"{link}: is a symbolic link" in capsys.readouterr().err
+    os.symlink(tmp_path / "target.gguf", tmp_path / "link.gguf")  # dangling: exists() is False
+    with pytest.raises(ConfigError, match="link.gguf: is a symbolic link"):
+        _check_gguf_output(str(tmp_path / "link.gguf"))
+    assert all((tmp_path / n).is_symlink() for n in ("link.json", "dangling.json", "link.gguf"))
+    assert sorted(os.listdir(tmp_path)) == ["dangling.json", "link.gguf", "link.json",
+                                            "ours.json"]
