@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -240,9 +241,11 @@ def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], No
 def swap_dir(tmp: Path, out: Path, durable: bool = False) -> None:
     """Directory `tmp`, complete, takes `out`'s place by renames: an old `out` is moved aside
     to `.<name>.old<pid>`, put back if the rename fails, removed once `tmp` is in place.
-    `durable`: the parent fsynced after the rename."""
+    `durable`: the parent fsynced after the rename. The new directory gets the old one's mode
+    (and owner and group, where permitted): a directory the user made private stays private."""
     old = out.with_name(f".{out.name}.old{os.getpid()}")
     if out.exists():
+        _keep_mode(out, tmp)
         os.replace(out, old)
     try:
         os.replace(tmp, out)
@@ -253,6 +256,15 @@ def swap_dir(tmp: Path, out: Path, durable: bool = False) -> None:
     if durable:
         _fsync_dir(out.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _keep_mode(old: Path, new: Path) -> None:
+    """Directory `new` gets `old`'s owner and group where this user may give them (the
+    group, when a member of it), then its mode (chown clears setgid, so it goes first)."""
+    st = old.stat()
+    with contextlib.suppress(OSError):
+        os.chown(new, st.st_uid, st.st_gid)
+    os.chmod(new, stat.S_IMODE(st.st_mode))
 
 
 def _temp(out: Path) -> Path:

@@ -281,6 +281,17 @@ def test_swap_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, mo
     assert (out / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]
 
 
+def test_a_directory_the_user_made_private_stays_private(tmp_path):
+    """An empty directory, or an earlier export in one, keeps its mode: the new directory
+    that takes its place is not the umask's 0755 (private weights made world-readable)."""
+    priv = tmp_path / "priv"
+    priv.mkdir(mode=0o700)
+    for _ in range(2):  # empty, then holding an earlier export
+        assert replace_dir(priv, OWNED, write_model) == priv
+        assert priv.stat().st_mode & 0o777 == 0o700 and (priv / "model.bin").is_file()
+    assert os.listdir(tmp_path) == ["priv"]
+
+
 def test_a_symlink_as_an_output_file_is_refused_and_stays_a_link(tmp_path, capsys):
     """`export --output link.gguf`, `evaluate --json link.json`: the rename that writes a
     file whole would turn the user's link into a plain file; a link is refused, naming it,
