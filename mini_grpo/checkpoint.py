@@ -39,7 +39,7 @@ import torch
 
 from . import distributed as D
 from . import fsdp
-from .outputs import swap_dir, write_atomic, write_reason
+from .outputs import alive, swap_dir, write_atomic, write_reason
 
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 # in every checkpoint (a one-file one's state, a sharded one's meta.pt): a file is ours only if
@@ -48,7 +48,7 @@ FORMAT = "mini-grpo checkpoint"
 VERSION = 1
 _TEMP = re.compile(r"^\.step_\d+\.pt\.tmp(\d+)$")  # write_atomic's temporary file
 # all ranks write .tmp: no pid to check; .old<pid>: swap_dir's old one, left by a kill
-_TEMP_DIR = re.compile(r"^\.step_\d+\.dcp\.(tmp|old\d+)$")
+_TEMP_DIR = re.compile(r"^\.(step_\d+\.dcp)\.(tmp|old(\d+))$")
 
 
 class CheckpointError(ValueError):
@@ -253,36 +253,32 @@ def has_checkpoint(directory: str | Path) -> bool:
 def clean_stale_temps(directory: str | Path) -> list[Path]:
     """Removes `.step_*.pt.tmp<pid>` files whose writer is gone (or is this process, which
     writes one checkpoint at a time) and fsdp's `.step_*.dcp.tmp` / `.old<pid>` directories;
-    returns them. pids are this host's, so only one job,
-    on one host, should write into a directory."""
+    returns them. An `.old<pid>` of a writer gone whose checkpoint is missing (a kill between
+    swap_dir's two renames) is put back under its name instead: that step's checkpoint,
+    whole. pids are
+    this host's, so only one job, on one host, should write into a directory."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     removed = []
-    for p in directory.iterdir():
-        if _TEMP_DIR.match(p.name):
-            shutil.rmtree(p, ignore_errors=True)
+    for p in sorted(directory.iterdir()):
+        if m := _TEMP_DIR.match(p.name):
+            pid = m.group(3)  # none in .tmp: every rank writes into it
+            if pid and int(pid) != os.getpid() and alive(int(pid)):
+                continue  # another process's swap, under way
+            final = directory / m.group(1)
+            if m.group(3) and not final.exists():
+                os.replace(p, final)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
             continue
         m = _TEMP.match(p.name)
-        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+        if m and (int(m.group(1)) == os.getpid() or not alive(int(m.group(1)))):
             with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
                 p.unlink()
                 removed.append(p)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` may still be writing; when unsure, yes."""
-    if os.name != "posix":  # os.kill(pid, 0) would terminate the process on Windows
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # EPERM: another user's process; a pid out of range
-        pass
-    return True
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

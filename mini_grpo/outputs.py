@@ -24,7 +24,9 @@ cache, tokenizer files, eval.json): into a temporary sibling, renamed over it on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import json
 import os
 import re
@@ -220,7 +222,9 @@ def write_atomic(output: str | Path, fill: Callable[[Path], None],
 
 def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], None]) -> Path:
     """Checks `output` (check_replaceable), has `fill` write into a temporary sibling, marks
-    it and swaps it in (swap_dir)."""
+    it and swaps it in (swap_dir). What killed writers of `output` left is cleaned up first
+    (clean_temps): an old directory a kill left aside is back, and checked."""
+    clean_temps(Path(os.path.realpath(output)))
     out = check_replaceable(output, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp(out)
@@ -239,23 +243,34 @@ def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], No
 
 
 def swap_dir(tmp: Path, out: Path, durable: bool = False) -> None:
-    """Directory `tmp`, complete, takes `out`'s place by renames: an old `out` is moved aside
-    to `.<name>.old<pid>`, put back if the rename fails, removed once `tmp` is in place.
-    `durable`: the parent fsynced after the rename. The new directory gets the old one's mode
-    (and owner and group, where permitted): a directory the user made private stays private."""
-    old = out.with_name(f".{out.name}.old{os.getpid()}")
-    if out.exists():
-        _keep_mode(out, tmp)
-        os.replace(out, old)
-    try:
+    """Directory `tmp`, complete, takes `out`'s place; `durable`: the parent fsynced after.
+    An old `out` gives the new one its mode (and owner and group, where permitted): a
+    directory the user made private stays private. Where the system can (renameat2 on
+    Linux) the two names are exchanged in one step, then the old directory, now under
+    `tmp`'s name, is removed: a kill leaves the old or the new one at `out`, whole.
+    Elsewhere the old `out` is renamed aside to `.<name>.old<pid>` first and put back if the
+    second rename fails; one a kill left there between the two renames, the next writer of
+    `out` puts back (clean_temps, checkpoint.clean_stale_temps)."""
+    if not out.exists():
+        old = None
         os.replace(tmp, out)
-    except BaseException:
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
+    else:
+        _keep_mode(out, tmp)
+        if _exchange(tmp, out):
+            old = tmp  # the old directory, now under the temporary name
+        else:
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                if old.exists() and not out.exists():
+                    os.replace(old, out)
+                raise
     if durable:
         _fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _keep_mode(old: Path, new: Path) -> None:
@@ -265,6 +280,81 @@ def _keep_mode(old: Path, new: Path) -> None:
     with contextlib.suppress(OSError):
         os.chown(new, st.st_uid, st.st_gid)
     os.chmod(new, stat.S_IMODE(st.st_mode))
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2():
+    """The C library's renameat2 (glibc 2.28+, Linux 3.15+), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps the names of existing `a` and `b` atomically; False where the system or the file
+    system cannot (the caller renames twice instead)."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system without it
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def clean_temps(out: Path) -> list[Path]:
+    """Removes what killed writers of `out` left beside it: `.<name>.tmp<pid>` (a file or
+    directory half written; after an exchange, the old one) and `.<name>.old<pid>` (swap_dir's
+    old directory), of pids no longer alive on this host. A kill between swap_dir's two
+    renames leaves `out` missing: its `.old<pid>` (the newest, if several) is put back there
+    instead. Names of this pattern alone, of dead writers alone: a live writer's are its own.
+    Returns what it removed or put back."""
+    ours = re.compile(re.escape(f".{out.name}.") + r"(tmp|old)(\d+)")
+    try:
+        found = [(m.group(1), p) for p in out.parent.iterdir()
+                 if (m := ours.fullmatch(p.name)) and not alive(int(m.group(2)))]
+    except OSError:  # no parent yet: nothing left there
+        return []
+    olds = [p for kind, p in found if kind == "old"]
+    back = None
+    if olds and not os.path.lexists(out):
+        back = max(olds, key=lambda p: p.lstat().st_mtime)
+        os.replace(back, out)
+    for _, p in found:
+        if p != back:
+            _remove(p)
+    return [p for _, p in found]
+
+
+def _remove(path: Path) -> None:
+    """A file, link or directory tree, gone (a link's target kept)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` may still be writing; when unsure, yes (this process too)."""
+    if os.name != "posix":  # os.kill(pid, 0) would terminate the process on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # EPERM: another user's process; a pid out of range
+        pass
+    return True
 
 
 def _temp(out: Path) -> Path:

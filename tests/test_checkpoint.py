@@ -2,6 +2,7 @@ import errno
 import io
 import os
 import re
+import shutil
 import stat
 
 import pytest
@@ -428,6 +429,36 @@ def test_a_sharded_step_saved_again_is_swapped_in_and_a_killed_swaps_leftovers_g
     assert sorted(p.name for p in clean_stale_temps(tmp_path)) == [
         f".step_0000003.dcp.old{dead_pid()}", ".step_0000004.dcp.tmp"]
     assert os.listdir(tmp_path) == ["step_0000003.dcp"]
+
+
+def test_a_checkpoint_a_kill_left_aside_mid_swap_is_put_back_not_removed(tmp_path,
+                                                                         monkeypatch):
+    """A kill between swap_dir's two renames (where names cannot be exchanged in one step)
+    leaves the old step_N.dcp at `.step_N.dcp.old<pid>` and the new one at `.tmp`, and no
+    step_N.dcp: the old one is put back (with keep_checkpoints 1, the only checkpoint)."""
+    from mini_grpo import outputs
+
+    old = sharded(tmp_path, 3)
+    new = tmp_path / ".step_0000003.dcp.tmp"
+    shutil.copytree(old, new)
+    real = os.replace
+
+    def killed(src, dst):
+        real(src, dst)
+        raise SystemExit("killed")  # no handler of swap_dir's runs after a real kill
+
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(SystemExit):
+        outputs.swap_dir(new, old, durable=True)
+    monkeypatch.undo()
+    aside = f".step_0000003.dcp.old{os.getpid()}"
+    assert sorted(os.listdir(tmp_path)) == [aside, new.name]
+    os.rename(tmp_path / aside, tmp_path / f".step_0000003.dcp.old{dead_pid()}")
+    assert sorted(p.name for p in clean_stale_temps(tmp_path)) == [
+        f".step_0000003.dcp.old{dead_pid()}", new.name]
+    assert os.listdir(tmp_path) == ["step_0000003.dcp"]
+    assert C.latest_checkpoint(tmp_path)[1]["step"] == 3
 
 
 def test_a_generator_state_from_another_device_kind_is_skipped_and_named():

@@ -258,6 +258,9 @@ def test_write_atomic_fsyncs_a_durable_file_before_its_rename(tmp_path, monkeypa
 
 
 def test_swap_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, monkeypatch):
+    """Where two names cannot be exchanged in one step (the old directory renamed aside,
+    then the new one in)."""
+    from mini_grpo import outputs
     from mini_grpo.outputs import swap_dir
 
     out, new = tmp_path / "out", tmp_path / ".out.tmp"
@@ -271,6 +274,7 @@ def test_swap_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, mo
             raise OSError(errno.ENOSPC, "No space left on device")
         real(src, dst)
 
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError):
         swap_dir(new, out)
@@ -281,15 +285,73 @@ def test_swap_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, mo
     assert (out / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]
 
 
-def test_a_directory_the_user_made_private_stays_private(tmp_path):
+def test_a_directory_the_user_made_private_stays_private(tmp_path, monkeypatch):
     """An empty directory, or an earlier export in one, keeps its mode: the new directory
     that takes its place is not the umask's 0755 (private weights made world-readable)."""
+    from mini_grpo import outputs
+
     priv = tmp_path / "priv"
     priv.mkdir(mode=0o700)
-    for _ in range(2):  # empty, then holding an earlier export
+    for exchange in (True, False):  # renameat2, and the two renames where it is missing
+        if not exchange:
+            monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
         assert replace_dir(priv, OWNED, write_model) == priv
         assert priv.stat().st_mode & 0o777 == 0o700 and (priv / "model.bin").is_file()
     assert os.listdir(tmp_path) == ["priv"]
+
+
+# a replace_dir killed (SIGKILL: nothing runs after it) between the steps of its swap
+KILLED_SWAP = """
+import os, re, shutil, signal, sys
+from mini_grpo import outputs
+
+real = os.replace
+
+def replace(src, dst):
+    real(src, dst)
+    if ".old" in str(dst):  # the old directory moved aside, the new one not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def rmtree(path, *args, **kwargs):
+    if os.path.isdir(path):  # the new directory in place, the old one not yet removed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+os.replace, shutil.rmtree = replace, rmtree
+if sys.argv[2] == "renames":
+    outputs._exchange = lambda a, b: False
+outputs.replace_dir("out", re.compile(r"\\.mini-grpo-export|model\\.bin"),
+                    lambda tmp: (tmp / "model.bin").write_text("new"))
+"""
+
+
+@pytest.mark.parametrize("swap", ["exchange", "renames"])
+def test_a_kill_during_a_swap_loses_no_directory(tmp_path, swap):
+    """Killed between the steps that put a new directory in the old one's place: `out` is
+    the old or the new directory, whole; or, where the system cannot exchange two names in
+    one step, the old one is put back by the next writer (`.out.old<pid>` was all that was
+    left of it, and checkpoint.clean_stale_temps removed it)."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    from mini_grpo.outputs import clean_temps
+
+    out = replace_dir(tmp_path / "out", OWNED, write_model)
+    (out / "model.bin").write_text("old")
+    r = subprocess.run([sys.executable, "-c", KILLED_SWAP, str(out), swap], cwd=tmp_path,
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr
+    left = sorted(os.listdir(tmp_path))
+    pid = left[0].rpartition("tmp")[2] if swap == "exchange" else left[0].rpartition("old")[2]
+    if swap == "exchange":  # one step: the new directory, whole
+        assert left == [f".out.tmp{pid}", "out"] and (out / "model.bin").read_text() == "new"
+    else:  # two: the old one aside, no `out`, until the next writer puts it back
+        assert left == [f".out.old{pid}", f".out.tmp{pid}"]
+        assert sorted(p.name for p in clean_temps(out)) == left
+        assert os.listdir(tmp_path) == ["out"] and (out / "model.bin").read_text() == "old"
+    replace_dir(out, OWNED, write_model)  # and what the kill left beside it is gone
+    assert os.listdir(tmp_path) == ["out"] and (out / "model.bin").read_text() == "new"
 
 
 def test_a_symlink_as_an_output_file_is_refused_and_stays_a_link(tmp_path, capsys):
