@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -389,12 +390,20 @@ def vllm_serve_main(argv: list[str]) -> int:
     return _guarded(run) or code[0]
 
 
+def _terminated(signum, frame) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
 COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,
             "rft-generate": rft_generate_main, "export": export_main,
             "vllm-serve": vllm_serve_main, "import-gguf": import_gguf_main}
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (kill, a scheduler, torchrun stopping a launch) ends the command as an exception
+    # does, so that what it was writing is cleaned up: a temporary export, hundreds of MB,
+    # removed rather than left for good (exit code 143, as the signal's default gives)
+    signal.signal(signal.SIGTERM, _terminated)
     argv = sys.argv[1:] if argv is None else argv
     if argv in (["--help"], ["-h"]):  # asked for: stdout, exit 0
         print(__doc__.split("\n\n")[1])

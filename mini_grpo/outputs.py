@@ -201,11 +201,13 @@ def write_atomic(output: str | Path, fill: Callable[[Path], None],
     closed when fill returns) and renames that over `output`: a kill leaves the old file
     whole. `durable`: the file, then its directory, fsynced (checkpoints). The caller owns
     `output`. A failed write removes the temporary file; an I/O error (disk full) is an
-    OutputWriteError of one line, anything else (a bug) goes on as it is."""
+    OutputWriteError of one line, anything else (a bug) goes on as it is. Temporaries of
+    `output` that killed writers left are removed first (clean_temps)."""
     out = Path(output)
     tmp = _temp(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        clean_temps(out)
         fill(tmp)
         if durable:
             _fsync(tmp)

@@ -379,3 +379,67 @@ def test_a_symlink_as_an_output_file_is_refused_and_stays_a_link(tmp_path, capsy
     assert all((tmp_path / n).is_symlink() for n in ("link.json", "dangling.json", "link.gguf"))
     assert sorted(os.listdir(tmp_path)) == ["dangling.json", "link.gguf", "link.json",
                                             "ours.json"]
+
+
+def test_temporaries_of_killed_writers_are_removed_before_writing(tmp_path):
+    """What a killed export left (`.out.gguf.tmp<pid>`, `.hf.tmp<pid>`: hundreds of MB) is
+    removed by the next write of that output: our names alone, of dead writers alone."""
+    from mini_grpo.outputs import write_atomic
+
+    dead = 2**22 + 12345  # above the kernel's pid_max: never a live process
+    stale = [f".out.gguf.tmp{dead}", f".hf.tmp{dead}", f".hf.old{dead}"]
+    keep = [f".out.gguf.tmp{os.getppid()}",  # a live writer's
+            ".out.gguf.tmpx", f"out.gguf.tmp{dead}", f".other.gguf.tmp{dead}",
+            f".out.gguf.tmp{dead}.bak", "notes.txt"]
+    replace_dir(tmp_path / "hf", OWNED, write_model)
+    for name in stale + keep:
+        if ".hf." in name:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.bin").write_text("half")
+        else:
+            (tmp_path / name).write_text("half")
+    write_atomic(tmp_path / "out.gguf", lambda tmp: tmp.write_text("gguf"))
+    replace_dir(tmp_path / "hf", OWNED, write_model)
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf", "out.gguf", *keep])
+
+
+# `mini-grpo export`, its write under way, then SIGTERM (a scheduler's, kill's)
+TERMINATED = """
+import re, sys, time
+from mini_grpo import cli, outputs
+
+def fill(tmp):
+    (tmp / "model.bin" if tmp.is_dir() else tmp).write_text("half")
+    print("writing", flush=True)
+    time.sleep(60)
+
+def export(argv):
+    if argv[0] == "file":
+        return cli._guarded(lambda: outputs.write_atomic("out.gguf", fill))
+    return cli._guarded(lambda: outputs.replace_dir("hf", re.compile("model.bin"), fill))
+
+cli.COMMANDS["export"] = export
+sys.exit(cli.main(["export", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("what", ["file", "dir"])
+def test_a_terminated_export_leaves_no_temporary(tmp_path, what):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    p = subprocess.Popen([sys.executable, "-c", TERMINATED, what], cwd=tmp_path,
+                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline() == "writing\n"
+        assert os.listdir(tmp_path)  # the temporary, half written
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert os.listdir(tmp_path) == []
