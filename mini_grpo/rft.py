@@ -26,14 +26,19 @@ and saves `<output>.summary.json`.
 Those files are this command's alone: beside them `<output>.rft.json` says so and holds the
 settings the rows were generated with. A re-run resumes only where that file is there and its
 settings match; an output without it (a user's notes, their data) or with other settings is
-refused with one line naming it, and nothing is read, cut or written.
+refused with one line naming it, and nothing is read, cut or written. While a command writes
+them it holds `<output>.rft.lock` (flock, rank 0): a second one on the same output is refused
+in one line naming the first's pid, instead of appending to the same shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,27 +118,96 @@ def stale_reason(output: Path, cfg, source: dict) -> str | None:
     return f"{output} was generated with other {', '.join(changed)}" if changed else None
 
 
-def claim(run: Run, output: Path, source: dict, replace_stale: bool) -> None:
-    """Makes `output` this run's to write, on every rank: resumed where it holds our rows of
-    these settings; else refused (ConfigError, nothing touched), or with `replace_stale` (a
-    run's own directory) our files there removed. Then the sidecar, by rank 0."""
+def claim(run: Run, output: Path, source: dict, replace_stale: bool) -> int | None:
+    """Makes `output` this run's to write, on every rank: locked (rank 0, `lock`), then
+    resumed where it holds our rows of these settings; else refused (ConfigError, nothing
+    touched), or with `replace_stale` (a run's own directory) our files there removed. Then
+    the sidecar, by rank 0. Returns the lock (rank 0's; None elsewhere): `unlock` it."""
     if output.exists() and not output.is_file():
         raise ConfigError(f"--output {output}: is a directory, not a file for rows")
     check_parent(output)
-    reason = stale_reason(output, run.cfg, source)  # every rank sees the same files
-    D.barrier()
-    if reason and not replace_stale:
-        raise ConfigError(f"--output {output}: {reason}; not overwritten or resumed (choose "
-                          f"another file, or the same settings)")
+    held, refused = None, None
     if run.dist.is_main:
-        if reason:
-            run.print0(f"[rft] not resuming: {reason}")
-            for f in written_files(output):
-                f.unlink()
-        output.parent.mkdir(parents=True, exist_ok=True)
-        write_file(sidecar(output), json.dumps({"written_by": WRITTEN_BY, "source": source,
-                                                "config": run.cfg.to_dict()}))
-    D.barrier()
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            held = lock(output)
+        except ConfigError as e:
+            refused = str(e)
+    refused = D.all_gather_object(refused)[0]  # every rank stops where rank 0 was refused
+    if refused:
+        raise ConfigError(refused)
+    try:
+        reason = stale_reason(output, run.cfg, source)  # every rank sees the same files
+        D.barrier()
+        if reason and not replace_stale:
+            raise ConfigError(f"--output {output}: {reason}; not overwritten or resumed "
+                              f"(choose another file, or the same settings)")
+        if run.dist.is_main:
+            if reason:
+                run.print0(f"[rft] not resuming: {reason}")
+                for f in written_files(output):
+                    f.unlink()
+            write_file(sidecar(output), json.dumps({"written_by": WRITTEN_BY,
+                                                    "source": source,
+                                                    "config": run.cfg.to_dict()}))
+        D.barrier()
+    except BaseException:
+        unlock(output, held)
+        raise
+    return held
+
+
+def lock_file(output: Path) -> Path:
+    return output.with_name(output.name + ".rft.lock")
+
+
+def lock(output: Path) -> int | None:
+    """`<output>.rft.lock`, made if missing, locked (flock) and naming this process, as
+    outputs.claim_run_dir locks a run's directory: a second rft-generate on `output` is
+    refused in one line naming the holder while it lives (the kernel drops the lock when it
+    dies, however). A file of that name that no rft-generate wrote is refused as a user's.
+    Returns its descriptor (None where there is no flock)."""
+    try:
+        import fcntl  # POSIX; elsewhere an output is not locked
+    except ImportError:
+        return None
+    path = lock_file(output)
+    for _ in range(10):  # the holder removes the file as it ends: then lock the new one
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise ConfigError(f"--output {output}: cannot write {path} ({e.strerror or e})") \
+                from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EWOULDBLOCK: another live process holds it
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"--output {output}: another rft-generate is writing it "
+                              f"({holder}); wait for it to end, or choose another file") \
+                from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)
+    else:
+        raise ConfigError(f"--output {output}: {path} keeps changing; not written")
+    text = os.read(fd, 200)
+    if text and not text.startswith(WRITTEN_BY.encode()):
+        os.close(fd)
+        raise ConfigError(f"--output {output}: {path} exists and was not written by "
+                          f"rft-generate; not overwritten (choose another file)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{WRITTEN_BY}, pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def unlock(output: Path, fd: int | None) -> None:
+    """Lets `lock`'s file go, removed first: a process that opened it meanwhile then finds
+    it gone, and makes and locks a new one (lock), never a second lock on this one."""
+    if fd is not None:
+        lock_file(output).unlink(missing_ok=True)
+        os.close(fd)
 
 
 def _record(ex, r, res, k: int) -> dict:
@@ -156,13 +230,22 @@ def generate_rft_data(run: Run, examples, output: str | Path, amp: bool = True,
     else the rows depend on (the checkpoint, the split), compared on resume like the config.
     `replace_stale`: `output` is in the run's own directory, and files there that may not be
     resumed are removed instead of refused (claim)."""
-    scorer, cfg, device, dist = run.scorer, run.cfg, run.device, run.dist
+    cfg, device = run.cfg, run.device
     # each rank generates its own prompts, as many batches as it has: an engine that needs
     # its group in every generate (tensor-parallel vLLM) hands over to our native sampler
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg)
     release_freed_memory(device)  # a training stage's blocks, not this sampling's
     output = Path(output)
-    claim(run, output, source or {}, replace_stale)
+    held = claim(run, output, source or {}, replace_stale)
+    try:  # held to the end: the merge and the shards' removal are this command's too
+        return _generate(run, examples, output, amp, engine, sampling)
+    finally:
+        unlock(output, held)
+
+
+def _generate(run: Run, examples, output: Path, amp: bool, engine, sampling) -> dict:
+    """generate_rft_data's work, `output` claimed."""
+    scorer, cfg, device, dist = run.scorer, run.cfg, run.device, run.dist
     prompts = list(dict.fromkeys(ex.prompt for ex in examples))  # distinct, in split order
     first = {}
     for ex in examples:

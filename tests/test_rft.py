@@ -257,3 +257,35 @@ def test_an_output_not_written_here_is_refused_untouched(sft_checkpoint, tmp_pat
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and "notes.txt exists" in r.stderr and "Traceback" not in r.stderr
     assert (tmp_path / "notes.txt").read_text() == users["notes.txt"]
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_lives(sft_checkpoint,
+                                                                          tmp_path):
+    """Two rft-generate on one --output appended to the same shards, and the first to end
+    removed them under the other: the second is refused in one line naming the first's
+    pid, touching nothing; once the first is gone (killed: its lock goes with it), the
+    output is written and no lock file is left."""
+    from mini_grpo.config import ConfigError
+
+    out = tmp_path / "rft.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from mini_grpo.rft import lock; lock(Path(sys.argv[1])); print('held', flush=True); "
+         "time.sleep(120)", str(out)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        run, examples, _ = rft_run(sft_checkpoint, rft_min_reward="0.0")
+        with run:
+            with pytest.raises(ConfigError, match=rf"rft.jsonl: another rft-generate is "
+                                                  rf"writing it \(.*pid {holder.pid} "):
+                generate_rft_data(run, examples, out)
+            assert os.listdir(tmp_path) == ["rft.jsonl.rft.lock"]  # the holder's alone
+            holder.kill()
+            holder.wait()
+            summary = generate_rft_data(run, examples, out)
+    finally:
+        holder.kill()
+    assert summary["prompts_generated_now"] == 12
+    assert sorted(os.listdir(tmp_path)) == ["rft.jsonl", "rft.jsonl.rft.json",
+                                            "rft.jsonl.summary.json"]
