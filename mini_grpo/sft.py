@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import distributed as D
 from . import fsdp
 from .checkpoint import CheckpointError, latest_checkpoint, load_weights, set_rng_state
 from .chunked import SFT_CPU_BUDGET_BYTES, token_logprobs
@@ -167,8 +168,8 @@ def train_sft(run: Run, examples=None, steps=None, lr=None, directory=None, tag=
 
 
 def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
-    """Mean cross-entropy over this rank's target tokens (-1 = ignored); ranks hold equal
-    shares up to one row. `num_tokens`: the divisor, when (x, y) is a micro-batch of it."""
+    """Mean cross-entropy over the target tokens of (x, y) (-1 = ignored). `num_tokens`: the
+    divisor instead of their count (positive; sft_pass: the step's, over every rank)."""
     keep = y >= 0
     # the LM head at the target tokens alone: a prompt's positions have no loss, and their
     # logits were most of the head's work (the LM job: ~60 prompt tokens to ~20 of answer);
@@ -179,21 +180,27 @@ def sft_loss(net, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Te
     budget = SFT_CPU_BUDGET_BYTES if x.device.type == "cpu" else None
     logp = token_logprobs(net(x, hidden=True)[at], head_weight(net), y[at].clamp(min=0),
                           budget_bytes=budget)
-    total = keep.sum() if num_tokens is None else num_tokens
-    return -(logp * keep[at]).sum() / total.clamp(min=1)
+    total = keep.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return -(logp * keep[at]).sum() / total
 
 
 def sft_pass(net, x: torch.Tensor, y: torch.Tensor, budget: int, state: TrainState):
-    """The gradient of sft_loss over (x, y) (right-padded rows), accumulated over
-    micro-batches of at most `budget` token positions (0: one pass), each cut to its longest
-    row; DDP's all-reduce on the last only, fsdp's ranks padded to as many passes (with no
-    loss). Returns the detached loss."""
+    """The gradient of the step's mean cross-entropy over every rank's target tokens, from
+    this rank's rows (x, y) (right-padded), accumulated over micro-batches of at most
+    `budget` token positions (0: one pass), each cut to its longest row; DDP's all-reduce on
+    the last only, fsdp's ranks padded to as many passes (with no loss). Returns the
+    detached mean over this rank's target tokens."""
     keep = y >= 0
+    # DDP and FSDP average the ranks' gradients, and ranks hold different numbers of target
+    # tokens: each divides its sum by the step's count over the world size (one all-reduce),
+    # so the average is the gradient of one process holding the whole batch
+    mine = keep.sum()
+    num_tokens = D.all_reduce_sum(mine.clone()).clamp(min=1) / D.world_size()
     lengths = (y.size(1) - keep.int().flip(1).argmax(1)).tolist()  # to each row's last target
     plan = plan_micro_batches(lengths, len(lengths), lambda rows: len(rows) * max(
         lengths[i] for i in rows), budget) if budget else [list(range(x.size(0)))]
     passes = plan + plan[-1:] * (fsdp.pad_passes(net, len(plan), x.device) if budget else 0)
-    num_tokens, loss = keep.sum(), torch.zeros((), device=x.device)
+    loss = torch.zeros((), device=x.device)
     with state.cast_once(net):
         for j, rows in enumerate(passes):
             n = max(lengths[i] for i in rows)
@@ -205,4 +212,4 @@ def sft_pass(net, x: torch.Tensor, y: torch.Tensor, budget: int, state: TrainSta
                     part = part * 0.0
                 state.backward(part)
             loss += part.detach()
-    return loss
+    return loss * num_tokens / mine.clamp(min=1)

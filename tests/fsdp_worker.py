@@ -7,12 +7,14 @@ LoRA adapters on its frozen base. Rank 0 saves {family: full
 parameters, family/memory: each rank's memory report, family/passes: each rank's micro-batch
 counts, and under fsdp family/from_plain: see resumed_from_plain, family/from_rank0: see
 sent_from_rank0, family/reference(_bytes): the full weights and each rank's bytes of
-fsdp.frozen_copy's copy of the trained model} to argv[1].
+fsdp.frozen_copy's copy of the trained model, sft: sft_gradient's full gradient}
+to argv[1].
 """
 
 import copy
 import gc
 import sys
+from contextlib import nullcontext
 
 import torch
 from ddp_grad_worker import PROMPTS, G, make_batch, take
@@ -23,6 +25,7 @@ from mini_grpo.config import load_config
 from mini_grpo.lora import apply_lora
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.optim import make_optimizer
+from mini_grpo.sft import sft_pass
 from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory
 
@@ -79,6 +82,45 @@ def sent_from_rank0(trained, family: str, is_main: bool) -> dict:
     return {k: v.clone() for k, v in fsdp.model_state(model).items()}
 
 
+class PlainState:
+    """What sft_pass asks of a TrainState in fp32: no autocast, a plain backward, no cast."""
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def cast_once(self, net):
+        return nullcontext()
+
+
+def sft_gradient(dist, parallelism: str) -> list[torch.Tensor]:
+    """The full gradient of one SFT step (sft_pass) on our GPT, each rank its share of 6 rows
+    whose target counts are far apart (rank 0's 27 tokens, rank 1's 5: each rank's own mean,
+    averaged, is not the batch's), rank 0 in smaller micro-batches than the others (fsdp
+    pads the others' passes)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [20, 18, 16, 3, 4, 2]
+    x = torch.zeros(6, 20, dtype=torch.long)
+    y = torch.full((6, 20), -1)
+    for i, n in enumerate(lengths):  # right-padded rows; targets on their second half
+        x[i, :n] = torch.randint(4, 24, (n,), generator=g)
+        y[i, n // 2:n] = torch.randint(4, 24, (n - n // 2,), generator=g)
+    W = dist.world_size
+    rows = slice(dist.rank * 6 // W, (dist.rank + 1) * 6 // W)
+    model = build("gpt")
+    if parallelism in ("fsdp", "hsdp") and W > 1:
+        net = fsdp.shard(model, torch.device("cpu"), shard_size=2 if parallelism == "hsdp" else 0)
+    else:
+        net, _ = D.wrap_ddp(model, torch.device("cpu"))
+    sft_pass(net, x[rows], y[rows], 24 if dist.rank == 0 else 60, PlainState())
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+             for p in model.parameters()]
+    del net  # DDP's reducer must not outlive the process group
+    gc.collect()
+    return grads
+
+
 def main(out_path: str, parallelism: str) -> None:
     """parallelism: ddp, fsdp, or hsdp (fsdp over groups of 2 ranks, replicated across them)."""
     dist = D.init(use_cuda=False)  # CPU tensors: gloo, whatever the machine has
@@ -126,6 +168,7 @@ def main(out_path: str, parallelism: str) -> None:
         out[f"{family}/passes"] = D.all_gather_object(counts)
         del net, opt  # DDP's reducer must not outlive the process group
         gc.collect()
+    out["sft"] = sft_gradient(dist, parallelism)
     if dist.is_main:
         torch.save(out, out_path)
     D.cleanup()
