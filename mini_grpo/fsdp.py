@@ -39,9 +39,12 @@ from . import distributed as D
 
 
 def is_sharded(model) -> bool:
+    """Whether `model` is sharded; run.net under compile_model is the compile wrapper
+    (precision.compile_with_fallback), whose forward runs the sharded model it wraps, and
+    whose passes are as much collectives as that model's."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(getattr(model, "wrapped", model), FSDPModule)
 
 
 # the collectives FSDP issues by default (under their former names in older torch)

@@ -320,6 +320,11 @@ class _CompiledWithFallback(torch.nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.lm_head.weight
 
+    @property
+    def wrapped(self) -> torch.nn.Module:
+        """The model itself (fsdp.is_sharded asks it)."""
+        return self.model
+
 
 def compile_with_fallback(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
     try:

@@ -25,6 +25,7 @@ from mini_grpo.config import load_config
 from mini_grpo.lora import apply_lora
 from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
 from mini_grpo.optim import make_optimizer
+from mini_grpo.precision import compile_with_fallback
 from mini_grpo.sft import sft_pass
 from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory
@@ -98,7 +99,8 @@ def sft_gradient(dist, parallelism: str) -> list[torch.Tensor]:
     """The full gradient of one SFT step (sft_pass) on our GPT, each rank its share of 6 rows
     whose target counts are far apart (rank 0's 27 tokens, rank 1's 5: each rank's own mean,
     averaged, is not the batch's), rank 0 in smaller micro-batches than the others (fsdp
-    pads the others' passes)."""
+    pads the others' passes). Sharded, through the compile wrapper run.net is under
+    compile_model, left eager (compiling costs ~30 s): fsdp must see the model inside."""
     g = torch.Generator().manual_seed(5)
     lengths = [20, 18, 16, 3, 4, 2]
     x = torch.zeros(6, 20, dtype=torch.long)
@@ -110,7 +112,10 @@ def sft_gradient(dist, parallelism: str) -> list[torch.Tensor]:
     rows = slice(dist.rank * 6 // W, (dist.rank + 1) * 6 // W)
     model = build("gpt")
     if parallelism in ("fsdp", "hsdp") and W > 1:
-        net = fsdp.shard(model, torch.device("cpu"), shard_size=2 if parallelism == "hsdp" else 0)
+        fsdp.shard(model, torch.device("cpu"), shard_size=2 if parallelism == "hsdp" else 0)
+        net = compile_with_fallback(model)
+        net.failed = True  # its eager path: the same module, no compile
+        assert fsdp.is_sharded(net)
     else:
         net, _ = D.wrap_ddp(model, torch.device("cpu"))
     sft_pass(net, x[rows], y[rows], 24 if dist.rank == 0 else 60, PlainState())

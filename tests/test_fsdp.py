@@ -34,7 +34,7 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
     fsdp = worker(tmp_path, "fsdp", 2)
     hsdp = worker(tmp_path, "hsdp", 4)  # 2 replicas of a model sharded over 2 ranks each
     # one SFT step's gradient: the whole batch's mean, however the rows are spread over ranks
-    # (fsdp's passes padded)
+    # (fsdp's through the compile wrapper run.net is under compile_model, its passes padded)
     for other in (ddp, fsdp, hsdp):
         for got, want in zip(other["sft"], one["sft"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
