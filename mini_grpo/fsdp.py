@@ -28,6 +28,7 @@ Sampling does not: `full_params` unshards once per rollout, not once per decoded
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 from contextlib import contextmanager
 from pathlib import Path
@@ -385,12 +386,59 @@ def _safe_reader_class():
             if coded:  # never written here; a decompressor could inflate bytes without bound
                 raise ValueError(f"{path.name}: item {coded[0]} is stored through a transform "
                                  f"(compression), which mini-grpo never writes")
+            _check_entries(meta, path.name)
             if getattr(meta, "storage_meta", None) is None:  # as FileSystemReader does
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id
             return meta
 
     return SafeReader
+
+
+def _dims(size, ndim: int | None = None) -> bool:
+    """A torch.Size of non-negative ints (of `ndim` dimensions, where given)."""
+    return isinstance(size, torch.Size) and (ndim is None or len(size) == ndim) and all(
+        type(d) is int and d >= 0 for d in size)
+
+
+def _check_entries(meta, name: str) -> None:
+    """Every entry of DCP index `name` as DCP writes one: a tensor's size and its chunks are
+    non-negative ints, the chunks within the size, and the tensor's bytes no more than the
+    index stores for it (sizes read from a crafted index made torch.empty trace back, or
+    overflow, where the model is compared with them)."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        TensorStorageMetadata,
+    )
+
+    stored: dict[str, int] = {}
+    for index, info in (meta.storage_data or {}).items():
+        length = getattr(info, "length", None)
+        if type(length) is not int or length < 0:
+            raise ValueError(f"{name}: the bytes of item {getattr(index, 'fqn', index)!r} are "
+                             f"{length!r}, not a length")
+        stored[index.fqn] = stored.get(index.fqn, 0) + length
+    for key, entry in (meta.state_dict_metadata or {}).items():
+        if isinstance(entry, BytesStorageMetadata) and isinstance(key, str):
+            continue
+        if not (isinstance(entry, TensorStorageMetadata) and isinstance(key, str)):
+            raise ValueError(f"{name}: entry {str(key)[:200]} is a {type(entry).__name__}, not a "
+                             f"tensor's or bytes' entry")
+        size, dtype = entry.size, getattr(entry.properties, "dtype", None)
+        if not _dims(size):
+            shown = list(size) if isinstance(size, torch.Size) else repr(size)
+            raise ValueError(f"{name}: entry {key} has size {shown}, not a tensor's "
+                             f"(non-negative integers)")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}: entry {key} has dtype {dtype!r}, not a torch dtype")
+        if math.prod(size) * dtype.itemsize > stored.get(key, 0):
+            raise ValueError(f"{name}: entry {key} of size {tuple(size)} would take more than "
+                             f"the {stored.get(key, 0)} bytes the index stores for it")
+        for chunk in entry.chunks or []:
+            if not (_dims(chunk.offsets, len(size)) and _dims(chunk.sizes, len(size)) and all(
+                    o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, size))):
+                raise ValueError(f"{name}: entry {key} has a chunk outside its size "
+                                 f"{tuple(size)}")
 
 
 @functools.cache

@@ -368,6 +368,38 @@ def test_a_sharded_checkpoints_index_is_read_by_an_allowlist_never_run(tmp_path,
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("craft, why", [
+    ("negative", r"entry model\.w has size \[-1, 64\], not a tensor's"),
+    ("huge", r"entry model\.w of size \(3, 4611686018427387904, 4611686018427387904\) would "
+             r"take more than the \d+ bytes the index stores for it"),
+    ("chunk", r"entry model\.w has a chunk outside its size \(64, 64\)"),
+    ("entry", "entry model.w is a ChunkStorageMetadata, not a tensor's or bytes' entry")])
+def test_a_sharded_checkpoints_index_with_crafted_sizes_is_one_line(tmp_path, craft, why):
+    """The index's tensor entries are checked as it is read: sizes that torch.empty refuses
+    (or overflows on) where the model is compared with them are a CheckpointError naming the
+    checkpoint and the entry, not a traceback in evaluate or export."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    path = sharded(tmp_path, 3)
+    index = pickle.loads((path / ".metadata").read_bytes())  # our own file, read plainly
+    entry = index.state_dict_metadata["model.w"]
+    if craft == "negative":
+        entry.size = torch.Size([-1, 64])
+    elif craft == "huge":
+        entry.size = torch.Size([3, 2**62, 2**62])
+    elif craft == "chunk":
+        entry.chunks[0].offsets = torch.Size([32, 0])
+    else:
+        index.state_dict_metadata["model.w"] = ChunkStorageMetadata(torch.Size([0]),
+                                                                    torch.Size([1]))
+    (path / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(CheckpointError, match=why) as e:
+        load_checkpoint(path)
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
 def test_a_pickle_planted_in_a_shards_byte_item_is_refused_never_run(tmp_path):
     """torch's DCP load planner reads a shard's non-tensor items (the optimizer's
     param_groups values) with weights_only=False: ours reads them with weights_only=True, so
