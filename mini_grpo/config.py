@@ -220,7 +220,7 @@ class GRPOConfig:
     # ddp: every rank a full copy of weights, gradients and AdamW state; fsdp: each rank 1/N
     # of them (FSDP2), for models that do not fit one device (mini_grpo/fsdp.py)
     parallelism: Literal["ddp", "fsdp"] = opt("ddp", "run", env="PARALLELISM")
-    # fsdp: shards, gradients and optimizer step in CPU memory
+    # fsdp on GPUs: shards, gradients and optimizer step in CPU memory
     fsdp_cpu_offload: bool = opt(False, "run")
     # fsdp: ranks one copy of the model is sharded over (HSDP: shard within a node, replicate
     # across nodes, e.g. 8); 0 = all of them

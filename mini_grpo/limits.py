@@ -1,7 +1,7 @@
 """What a run's sizes must fit, refused with one line before any work starts: the processes
-and threads (batches split over ranks, fsdp's shard groups, threads against cores), the
-prompts and SFT's rows (block_size) and one step's rows (this machine's memory). run.setup
-calls them in that order, as soon as each is known."""
+and threads (batches split over ranks, fsdp's shard groups and CPU offload, threads against
+cores), the prompts and SFT's rows (block_size) and one step's rows (this machine's memory).
+run.setup calls them in that order, as soon as each is known."""
 
 from __future__ import annotations
 
@@ -15,11 +15,19 @@ from .fields import show
 from .models import check_batch_memory
 
 if TYPE_CHECKING:
+    import torch
+
     from .tokenizer import Tokenizer
 
 
-def check_world(cfg: GRPOConfig, dist: D.DistInfo) -> None:
+def check_world(cfg: GRPOConfig, dist: D.DistInfo, device: torch.device | None = None) -> None:
     """Combinations that would only fail deep inside the run, refused at the start."""
+    # offloading moves nothing on a CPU device, and CPUOffloadPolicy's pinned memory needs an
+    # accelerator (it was a traceback on every rank)
+    if cfg.parallelism == "fsdp" and cfg.fsdp_cpu_offload and device is not None \
+            and device.type == "cpu":
+        raise ConfigError("fsdp_cpu_offload: moves the shards off a GPU into CPU memory; on a "
+                          "CPU device they are there already (set it false)")
     cores = os.cpu_count() or 1
     if cfg.num_threads > 4 * cores:  # more threads than cores is ruinous already
         raise ConfigError(f"num_threads: {cfg.num_threads} threads on {cores} cores; at most "

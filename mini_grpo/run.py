@@ -184,7 +184,7 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     dist = D.init(cfg.dist_timeout, use_cuda=device.type == "cuda")
     scorer = claim = None
     try:
-        check_world(cfg, dist)
+        check_world(cfg, dist, device)
         claim = claim_out_dir(cfg, dist) if log else None
         check_engine(cfg, device)
         threads = setup_backends(cfg, dist.local_world_size)

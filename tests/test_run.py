@@ -44,6 +44,20 @@ def test_fewer_prompts_than_ranks_is_refused_at_the_start():
     check_world(cfg, D.DistInfo(world_size=1))
 
 
+def test_fsdp_cpu_offload_on_a_cpu_device_is_refused_at_setup(tmp_path):
+    """FSDP's CPU offload moves shards off a GPU; on a CPU device it was pin_memory's
+    traceback on every rank: one line naming the field, before any work."""
+    cfg = tiny(tmp_path / "run", parallelism="fsdp", fsdp_cpu_offload=True, device="cpu")
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload: .* on a CPU device they are "
+                                          "there already"):
+        setup(cfg)
+    assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
+    offload = tiny(None, parallelism="fsdp", fsdp_cpu_offload=True)
+    check_world(offload, D.DistInfo(world_size=2), torch.device("cuda", 0))  # a GPU's to do
+    check_world(tiny(None, fsdp_cpu_offload=True), D.DistInfo(world_size=2),
+                torch.device("cpu"))  # DDP does not read it
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_asked_without_a_gpu_exits_2():
     line = one_line_exit_2(entry("--config", "tiny", "--device=cuda", "--mode=grpo"))
