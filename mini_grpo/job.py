@@ -92,7 +92,7 @@ def train(cfg) -> dict:
                         result = before_grpo(run, amp, result)
                         eval_s = time.monotonic() - t0
             limit = time_limit(run, started, eval_s) if run.dist.is_main else None
-            state = train_grpo(run, resume, amp, limit)
+            state = train_grpo(run, resume, amp, limit, source=str(where))
             amp, last = state.guard.amp, state.current_step
             # its optimizer (AdamW's moments: twice the weights) is of no more use: freed,
             # the final evaluation's caches take its place, not pages beside it

@@ -40,17 +40,18 @@ if TYPE_CHECKING:
 
 
 def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
-               limit: TimeLimit | None = None) -> TrainState:
+               limit: TimeLimit | None = None, source: str = "checkpoint") -> TrainState:
     """GRPO steps until cfg.max_steps, or until rank 0's `limit` (cfg.max_minutes) leaves
     no room for another; run.model is trained in place. `resume`: a loaded GRPO checkpoint
-    to continue from (weights, optimizer, guard, step, RNG); `amp`: the autocast verdict of
-    the stage before. Returns the final state (its guard's verdict, its last step)."""
+    to continue from (weights, optimizer, guard, step, RNG), read from `source` (its path,
+    which its errors name); `amp`: the autocast verdict of the stage before. Returns the
+    final state (its guard's verdict, its last step)."""
     cfg, dist, model, task = run.cfg, run.dist, run.model, run.task
     state = TrainState(run, cfg.lr, cfg.max_steps, cfg.warmup_steps, amp=amp,
                        directory=Path(cfg.out_dir) / "checkpoints", keep=cfg.keep_checkpoints,
                        seed=cfg.seed + 1 + dist.rank)  # sampling differs by rank
     if resume is not None:
-        state.restore(resume)
+        state.restore(resume, source)
     if run.logger:
         run.logger.start_clock(state.current_step)
     if run.comm:

@@ -1,6 +1,7 @@
 """End-to-end GRPO on the tiny config: parameters move, runs reproduce, resume is exact."""
 
 import json
+import re
 import time
 import warnings
 from contextlib import nullcontext
@@ -298,6 +299,13 @@ def test_resume_refuses_what_cannot_work_and_logs_what_changed(tmp_path):
     changed = [e for _, e in events(run) if e.startswith("resumed with changed options")]
     assert len(changed) == 1 and "lr 3e-05 -> 0.001" in changed[0]
     assert "max_steps 2 -> 3" in changed[0]
+    # a checkpoint whose state cannot be restored: the error names its file
+    bad = load_checkpoint(run / "checkpoints" / "step_0000002.pt")
+    bad["rng"] = [{"torch": torch.zeros(3, dtype=torch.uint8)}]
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'bad.pt'}: cannot "
+                                                        f"restore its RNG state's 'torch'")):
+        train(tiny(tmp_path, "b", max_steps=3, resume=str(tmp_path / "bad.pt")))
     # an SFT checkpoint is a starting point, not a GRPO run to continue
     train(tiny(tmp_path, "s", mode="sft", sft_steps=2))
     with pytest.raises(CheckpointError, match="--init_from="):
