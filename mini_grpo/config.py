@@ -253,7 +253,8 @@ class GRPOConfig:
     cpu_malloc_cache: bool = opt(True, "run", env="CPU_MALLOC_CACHE")
     # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
     guard_patience: int = opt(3, "run", "1..1000")
-    # a collective that waits longer than this (a dead or stuck rank) fails the job
+    # a collective that waits longer than this (a dead or stuck rank) fails the job; the wait
+    # for rank 0's evaluations and export is not bounded by it
     dist_timeout: float = opt(600.0, "run", "(0, 604800]")
 
     def validate(self) -> None:

@@ -38,6 +38,10 @@ class DistInfo:
 
 
 _INITS = [0]  # process groups this process has created
+# a gloo group of the same ranks whose barrier waits for rank 0's work alone (wait_for_main),
+# with a timeout of its own: the longest dist_timeout the config accepts
+_SOLO: list = [None]
+SOLO_TIMEOUT = datetime.timedelta(days=7)
 
 
 def init(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistInfo:
@@ -69,6 +73,8 @@ def init(timeout_s: float = 600.0, use_cuda: bool | None = None) -> DistInfo:
             world_size=info.world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+    if info.world_size > 1:
+        _SOLO[0] = dist.new_group(backend="gloo", timeout=SOLO_TIMEOUT)
     return info
 
 
@@ -238,6 +244,21 @@ def barrier() -> None:
         dist.barrier()
 
 
+def wait_for_main() -> None:
+    """Every rank waits here until rank 0 has finished what it does alone (an evaluation, the
+    export), however long that takes: dist_timeout bounds the collectives of ranks that work
+    together, and a final evaluation longer than it ended a finished run. A barrier of a gloo
+    group of its own, whose timeout is SOLO_TIMEOUT; a rank 0 that dies ends it at once (its
+    connections close). A no-op in one process."""
+    if _SOLO[0] is None or not dist.is_initialized():
+        return
+    try:
+        dist.barrier(group=_SOLO[0])
+    except RuntimeError as e:
+        raise RuntimeError(f"rank 0 ended while rank {dist.get_rank()} waited for it: "
+                           f"{str(e).splitlines()[0][:200]}") from None
+
+
 def cleanup(wait: bool = True) -> None:
     """Waits for every rank (`wait`), then tears the process group down. A rank that fails
     must not wait: the others may be stuck in a collective it will never join, and torchrun
@@ -245,7 +266,8 @@ def cleanup(wait: bool = True) -> None:
     if dist.is_initialized():
         if wait and dist.get_world_size() > 1:
             dist.barrier()
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the solo one too
+    _SOLO[0] = None
 
 
 class PairGroup:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as D
-from . import fsdp
+from . import faults, fsdp
 from .checkpoint import discard_checkpoints
 from .config import ConfigError, GRPOConfig
 from .dtype_probe import probe_dtypes
@@ -128,12 +128,16 @@ class Run:
     @contextmanager
     def rank0_with_weights(self):
         """For work rank 0 does with the current policy (the job's evaluations, before and
-        after GRPO and in it): the engine syncs, every rank gathers the full weights (fsdp),
-        and the body runs with True on rank 0 (False elsewhere; the others wait at the next
-        collective)."""
+        after GRPO and in it, the export): the engine syncs, every rank gathers the full
+        weights (fsdp), and the body runs with True on rank 0 (False elsewhere). At its end
+        the others wait for rank 0 however long its work takes (D.wait_for_main), not
+        dist_timeout."""
         self.sync_engine()
         with fsdp.full_params(self.model):
+            if self.dist.is_main:
+                faults.rank0_alone(self.dist)
             yield self.dist.is_main
+        D.wait_for_main()
 
     @property
     def sharded(self) -> bool:

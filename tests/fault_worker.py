@@ -8,6 +8,8 @@
     --fault=raise:N    the last rank raises at step N
     --nan_steps=A,B    the last rank's loss and gradient are poisoned at those steps
     --fault=kill:PID:N the last rank kills process PID (a vLLM server) at step N
+    --slow_rank0=S     rank 0 takes S seconds more for each of its spells of work alone
+                       (evaluations, export: Run.rank0_with_weights)
 
 In-process tests install the same hooks with `installed(...)`.
 """
@@ -16,6 +18,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,10 +57,19 @@ def nan_at(steps):
     return hook
 
 
+def slow(seconds: float):
+    def hook(dist):
+        print(f"[fault] rank {dist.rank} works alone {seconds:g} s longer", flush=True)
+        time.sleep(seconds)
+    return hook
+
+
 @contextlib.contextmanager
-def installed(fault_spec: str = "", nan_steps=()):
+def installed(fault_spec: str = "", nan_steps=(), slow_rank0: float = 0):
     """The hooks installed for the duration of the block."""
     added = []
+    if slow_rank0:
+        added.append((faults.RANK0_ALONE, slow(slow_rank0)))
     if fault_spec:
         kind, *numbers = fault_spec.split(":")
         pid, at = (int(numbers[0]), int(numbers[1])) if kind == "kill" else (0, int(numbers[0]))
@@ -77,19 +89,21 @@ def main() -> int:
     args = sys.argv[1:]
     split = args.index("--") if "--" in args else len(args)
     ours, rest = args[:split], args[split + 1:]
-    spec, nans = "", ()
+    spec, nans, slow_rank0 = "", (), 0.0
     for a in ours:
         key, _, value = a.partition("=")
         if key == "--fault":
             spec = value
         elif key == "--nan_steps":
             nans = [int(s) for s in value.split(",") if s]
+        elif key == "--slow_rank0":
+            slow_rank0 = float(value)
         else:
             raise SystemExit(f"fault_worker: unknown flag {a}")
     import distributed_train
 
     sys.argv = [sys.argv[0], *rest]
-    with installed(spec, nans):
+    with installed(spec, nans, slow_rank0):
         return distributed_train.main()
 
 

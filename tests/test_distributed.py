@@ -84,6 +84,20 @@ def test_a_rank_that_raises_ends_the_job_quickly(tmp_path):
     assert "injected fault on rank 1 at step 2" in r.stderr
 
 
+def test_rank0_working_alone_longer_than_dist_timeout_does_not_end_the_run(tmp_path):
+    """Rank 0 evaluates alone (before GRPO, then the final evaluation and the export) while
+    the others wait: their wait is not bounded by dist_timeout (5 s here, each of rank 0's
+    two spells 10 s longer), or a long final evaluation ended a finished run."""
+    out = tmp_path / "slow"
+    r = torchrun("tests/fault_worker.py", "--slow_rank0=10", "--", *TINY, f"--out_dir={out}",
+                 "--max_steps=1", "--dist_timeout=5", "--parallelism=fsdp", "--use_amp=false",
+                 "--reward_executor=serial")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("[fault] rank 0 works alone 10 s longer") == 2
+    assert set(json.loads((out / "eval.json").read_text())) == {"before", "after", "baselines"}
+    assert (out / "hf" / "model.safetensors").is_file()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")
 def test_nccl_end_to_end(tmp_path):
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={tmp_path / 'nccl'}",
