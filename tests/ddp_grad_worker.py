@@ -11,6 +11,7 @@ policy_pass); rank 0 saves
 
 import gc
 import sys
+from contextlib import nullcontext
 
 import torch
 
@@ -22,6 +23,19 @@ from mini_grpo.trainer import policy_pass
 from mini_grpo.trajectory import Trajectory
 
 PROMPTS, G, N = 4, 4, 12
+
+
+class PlainState:
+    """What sft_pass asks of a TrainState in fp32: its autocast (off), its backward (plain)
+    and the weights' cast (none)."""
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def cast_once(self, net):
+        return nullcontext()
 
 
 def make_batch(seed: int):

@@ -14,10 +14,9 @@ to argv[1].
 import copy
 import gc
 import sys
-from contextlib import nullcontext
 
 import torch
-from ddp_grad_worker import PROMPTS, G, make_batch, take
+from ddp_grad_worker import PROMPTS, G, PlainState, make_batch, take
 
 from mini_grpo import distributed as D
 from mini_grpo import fsdp
@@ -81,18 +80,6 @@ def sent_from_rank0(trained, family: str, is_main: bool) -> dict:
     fsdp.load_from_rank0(model, full if is_main else {}, torch.device("cpu"))
     assert bool(model.tied_head()) == (family == "gpt")  # a tied head stays tied
     return {k: v.clone() for k, v in fsdp.model_state(model).items()}
-
-
-class PlainState:
-    """What sft_pass asks of a TrainState in fp32: no autocast, a plain backward, no cast."""
-    def autocast(self):
-        return nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def cast_once(self, net):
-        return nullcontext()
 
 
 def sft_gradient(dist, parallelism: str) -> list[torch.Tensor]:

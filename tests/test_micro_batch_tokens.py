@@ -2,12 +2,11 @@
 passes and SFT's steps, which bounds activation memory whatever the completions' lengths and
 leaves the gradient as it was (the same sums, in more pieces)."""
 
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
-from ddp_grad_worker import G, make_batch
+from ddp_grad_worker import G, PlainState, make_batch
 
 from mini_grpo.config import load_config
 from mini_grpo.engines.base import Rollout
@@ -108,19 +107,6 @@ def test_rows_of_zero_advantage_are_left_out_of_the_passes_when_beta_is_0():
     assert m["ratio"] == pytest.approx(1.0) and m["clip_low"] == 0.0
     kl = Trajectory.of(r, rewards, load_config(None, {**opts, "beta": 0.1}, env={}))
     assert sorted(i for c in kl.plan for i in c.rows.tolist()) == list(range(B))
-
-
-class PlainState:
-    """What sft_pass asks of a TrainState: its autocast (off), its backward (plain) and
-    the weights' cast (none)."""
-    def autocast(self):
-        return nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def cast_once(self, net):
-        return nullcontext()
 
 
 class BF16State(PlainState):
