@@ -58,6 +58,7 @@ def _guarded(fn) -> int:
     that cannot go on (non-finite training, a checkpoint that cannot be written) one line
     and exit 1."""
     from .checkpoint import CheckpointError, CheckpointWriteError
+    from .distributed import PeerLost
     from .engines import EngineError
     from .guards import GuardError, NonFiniteError
     from .outputs import OutputWriteError
@@ -68,7 +69,7 @@ def _guarded(fn) -> int:
     except (ConfigError, CheckpointError, RewardError) as e:
         return _fail(e)
     except (GuardError, NonFiniteError, CheckpointWriteError, OutputWriteError,
-            EngineError) as e:
+            EngineError, PeerLost) as e:
         return _fail(e, code=1)
     return 0
 

@@ -244,6 +244,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+class PeerLost(RuntimeError):
+    """Rank 0 ended while this rank waited for it: one line and exit 1 (cli._guarded);
+    torchrun names the rank that failed first."""
+
+
 def wait_for_main() -> None:
     """Every rank waits here until rank 0 has finished what it does alone (an evaluation, the
     export), however long that takes: dist_timeout bounds the collectives of ranks that work
@@ -255,8 +260,8 @@ def wait_for_main() -> None:
     try:
         dist.barrier(group=_SOLO[0])
     except RuntimeError as e:
-        raise RuntimeError(f"rank 0 ended while rank {dist.get_rank()} waited for it: "
-                           f"{str(e).splitlines()[0][:200]}") from None
+        raise PeerLost(f"rank 0 ended while rank {dist.get_rank()} waited for it: "
+                       f"{str(e).splitlines()[0][:200]}") from None
 
 
 def cleanup(wait: bool = True) -> None:

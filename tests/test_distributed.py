@@ -168,3 +168,34 @@ def test_a_rank_under_torchrun_leaves_without_interpreter_finalization(tmp_path,
                            cwd=ROOT, env=env, timeout=120)
         assert r.returncode == 2 and "error:" in r.stderr, r.stderr[-2000:]
         assert ("finalized" in r.stdout) == finalized, (rank, r.stdout)
+
+
+PEER_WORKER = """
+import os, sys, time
+from mini_grpo import distributed as D
+from mini_grpo.cli import _guarded
+info = D.init(30.0)
+if info.rank == 0:  # ends while the other waits for its work alone
+    time.sleep(1)
+    os._exit(0)
+sys.exit(_guarded(D.wait_for_main))
+"""
+
+
+def test_a_rank_whose_rank_0_ends_while_it_waits_says_so_in_one_line(tmp_path):
+    """A rank waiting for rank 0's solo work (an evaluation, the export) when rank 0 ends:
+    a RuntimeError traceback, now one line and exit 1."""
+    port = subprocess.run([sys.executable, "-c", "import socket; s = socket.socket(); "
+                           "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"],
+                          capture_output=True, text=True).stdout.strip()
+    procs = [subprocess.Popen([sys.executable, "-c", PEER_WORKER], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=clean_env(**ranks_env(2), RANK=str(r), LOCAL_RANK=str(r),
+                                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in (0, 1)]
+    out = [p.communicate(timeout=120) for p in procs]
+    assert procs[1].returncode == 1, out[1]
+    lines = out[1][1].strip().splitlines()
+    assert lines[-1].startswith("error: rank 0 ended while rank 1 waited for it:"), out[1][1]
+    assert "Traceback" not in out[1][1]
