@@ -94,7 +94,7 @@ def _save_sharded(model, opt, meta: dict, directory: Path, step: int, keep: int)
             from e
     if D.is_main():
         prune(directory, keep, final)
-    D.barrier()
+    D.wait_for_main()  # rank 0's rename, fsync and prune, alone
     return final
 
 

@@ -323,5 +323,5 @@ def _generate(run: Run, examples, output: Path, amp: bool, engine, sampling) -> 
               f"({100 * summary['acceptance_rate']:.1f}%), mean kept reward "
               f"{summary['mean_kept_reward']:.3f}, {summary['completions_per_s']:.0f} "
               f"completions/s, {dt:.1f}s -> {output}", flush=True)
-    D.barrier()
+    D.wait_for_main()  # rank 0's merge, alone
     return summary

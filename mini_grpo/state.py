@@ -172,7 +172,7 @@ class TrainState:
             return None
         path = save(self.model, self.opt if optimizer else None, meta,
                     directory or self.directory, step, self.keep if keep is None else keep)
-        D.barrier()
+        D.wait_for_main()  # rank 0 may have written the one file alone: not dist_timeout
         return path
 
     def restore(self, ckpt: dict, source: str = "checkpoint") -> None:
