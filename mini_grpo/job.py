@@ -58,8 +58,9 @@ def train(cfg) -> dict:
             if changed:
                 run.logger.event(resume["step"], "resumed with changed options: "
                                  + ", ".join(changed))
-        if from_environment(cfg):
-            run.print0("[mini-grpo] from the environment: " + ", ".join(from_environment(cfg)))
+        applied = from_environment(cfg)
+        if applied:
+            run.print0("[mini-grpo] from the environment: " + ", ".join(applied))
         if cfg.max_minutes and "grpo" not in stages:
             run.print0(f"[mini-grpo] max_minutes {cfg.max_minutes:g}: only GRPO stops at the "
                        f"limit, and mode {cfg.mode} has no GRPO stage: its stages run to "
