@@ -35,6 +35,7 @@ import torch
 
 from . import distributed as D
 from .engines.native import generate
+from .lora import LoRAFacts
 from .outputs import OutputWriteError, write_file
 from .precision import attention_impl
 
@@ -84,15 +85,20 @@ def cpu_isa() -> dict:
 
 
 # bumped when the timed code changes enough to turn a verdict (2: bf16 sampling on
-# prepacked weights, models/packed.py; 3: medians of 3 rounds that agree), so that figures of
-# the old code are not reused
-CODE_VERSION = 3
+# prepacked weights, models/packed.py; 3: medians of 3 rounds that agree; 4: the key holds
+# LoRA's options and gradient checkpointing), so that figures of the old code are not reused
+CODE_VERSION = 4
 
 
 def cache_key(model, parts: tuple[str, ...], shape: dict) -> str:
+    """What the figures depend on: the machine, the code, the model's shape and what its
+    training pass does (LoRA's adapters: a full fine-tune's verdict was reused for them)."""
+    lora = LoRAFacts.of(model)
     return json.dumps({"code": CODE_VERSION, "cpu": cpu_name(), "isa": cpu_isa(),
                        "family": model.family,
                        "config": asdict(model.cfg),
+                       "lora": lora.options() if lora else None,
+                       "checkpointing": bool(getattr(model, "gradient_checkpointing", False)),
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "parts": list(parts), **shape}, sort_keys=True)
 
@@ -137,7 +143,8 @@ def probe_dtypes(model, cfg, parts: tuple[str, ...]) -> dict[str, float]:
         [0.0 if hit else 1.0] + [hit[n] if hit else 0.0 for n in names], dtype=torch.float64))
     if agreed[0] == 0:
         return dict(zip(names, agreed[1:].tolist()))
-    rounds = measure(model, parts, **shape)
+    with torch.random.fork_rng(devices=[]):  # its training passes draw dropout: a run's
+        rounds = measure(model, parts, **shape)  # masks must not depend on a cache hit
     mine = {n: statistics.median(v) for n, v in rounds.items()}
     unsure = disagreeing(rounds)
     if path and not unsure:

@@ -195,3 +195,39 @@ def test_rounds_that_disagree_are_said_and_not_cached(cache, monkeypatch):
     assert figures == {"sample_bf16": 1.1, "sample_fp32": 2.0} and path.exists()
     assert "disagreed" not in precision.Precision(torch.device("cpu"), None, None,
                                                   figures).describe()
+
+
+def test_lora_is_timed_apart_and_the_probe_leaves_the_global_rng_alone(tmp_path, monkeypatch):
+    """A full fine-tune's cached verdict was reused for LoRA adapters on the same shape; and
+    the probe's training passes drew dropout from the global RNG, so a run's dropout masks
+    differed between a cache miss and a hit of the same config."""
+    from mini_grpo.lora import apply_lora
+
+    monkeypatch.setenv("MINI_GRPO_PROBE_CACHE", str(tmp_path / "probe.json"))
+    cfg = load_config("tiny", env={})
+    full = tiny_gpt()
+    lora = tiny_gpt()
+    apply_lora(lora, r=2, alpha=4.0, dropout=0.5)
+    assert dtype_probe.cache_key(full, ("train",), {}) != \
+        dtype_probe.cache_key(lora, ("train",), {})
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    dtype_probe.probe_dtypes(lora, cfg, ("train",))  # a miss: timed, dropout drawn
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_one_token_pass_without_a_mask_under_bf16_on_a_cpu_without_amx(monkeypatch):
+    """SFT's pass over one-token rows (no mask, no cache) under bf16 where SDPA is skipped
+    for decode steps (a CPU without AMX: the Zen4) reached the manual path with the mask
+    "causal", a string: AttributeError."""
+    import mini_grpo.models.core as core
+    from mini_grpo.models import Llama, LlamaConfig
+    from mini_grpo.sft import sft_loss
+
+    monkeypatch.setattr(core, "_AMX", False)
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(vocab_size=32, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=64, n_inner=96, head_dim=16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = sft_loss(m, torch.tensor([[1], [2]]), torch.tensor([[5], [6]]))
+    assert torch.isfinite(loss)

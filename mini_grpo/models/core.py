@@ -141,7 +141,8 @@ class Attention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         B, nh, T, hs = q.shape
         if T == 1 and q.device.type == "cpu" and q.dtype != torch.float32 and not p \
-                and not _AMX:
+                and not _AMX and not isinstance(mask, str):  # (a one-token pass without
+            # a cache or mask, SFT's, stays SDPA's: the manual path needs a mask tensor)
             # a decode step under bf16 on a CPU without AMX (AMD Zen4): SDPA's kernel cost
             # 583 us a layer where grouped matmuls (each key/value head with its g query
             # heads, no copies of the keys) cost 167 (B=8, 9 heads over 3, 120 keys). With
