@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from . import dcp_index, fsdp
 from . import distributed as D
-from . import fsdp
 from .outputs import alive, swap_dir, write_atomic, write_reason
 
 _NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
@@ -143,7 +143,7 @@ def load_weights(checkpoint: dict, model: torch.nn.Module,
     try:
         lora = _adapted(model)
         if lora:  # the adapters alone: every one of them, nothing else
-            saved = set(fsdp.sharded_shapes(where) if checkpoint.get("sharded") else
+            saved = set(dcp_index.sharded_shapes(where) if checkpoint.get("sharded") else
                         checkpoint["model"])
             want = {k for k in model.state_dict() if ".lora_" in k}
             if saved != want:
@@ -343,7 +343,7 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
     if "kind" not in meta:
         raise CheckpointError(f"{path}: not a mini-grpo checkpoint (meta.pt has no 'kind')")
     try:
-        fsdp.check_shards(path)
+        dcp_index.check_shards(path)
     except Exception as e:  # a deleted or cut shard; unreadable .metadata
         raise CheckpointError(f"{path}: a sharded checkpoint that cannot load "
                               f"({_reason_to_refuse(e)})") from None

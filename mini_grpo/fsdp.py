@@ -7,11 +7,10 @@ are no-ops on a model that is not sharded (one process, or DDP):
     frozen_copy(model, ...)    the reference: a sharded copy made from the shards alone
     full_params(model)         every rank all-gathers the weights once, then runs forward
                                passes of its own (sampling, evaluation) with no collective
-    write_shards / read_shards / sharded_shapes
-                               DCP's shards of the weights and optimizer state, resharded on
+    write_shards / read_shards DCP's shards of the weights and optimizer state, resharded on
                                load onto any number of ranks (checkpoint.py names the
-                               directories and owns both checkpoint forms); DCP's `.metadata`
-                               pickle is read by an allowlist (`safe_reader`), never plainly
+                               directories and owns both checkpoint forms), read through
+                               dcp_index.py (the untrusted index by an allowlist)
     load_optimizer_state       a one-file (one process, DDP) optimizer state into shards
     model_state / load_model_state
                                full (unsharded) state dicts: the export, the offloaded reference
@@ -27,16 +26,13 @@ Sampling does not: `full_params` unshards once per rollout, not once per decoded
 
 from __future__ import annotations
 
-import functools
-import math
-import pickle
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import distributed as D
+from .dcp_index import safe_planner, safe_reader
 
 
 def is_sharded(model) -> bool:
@@ -300,166 +296,10 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
     state = _sharded_state(model, opt, keep)
     try:
         dcp.load(state, checkpoint_id=str(path), storage_reader=safe_reader(path),
-                 planner=_safe_planner_class()())
+                 planner=safe_planner())
     except dcp.api.CheckpointException as e:  # {rank: (error, trace)}: the first, one line
         why = [str(exc).strip() or type(exc).__name__ for exc, _ in e.failures.values()]
         raise ValueError(why[0].splitlines()[0] if why else "DCP cannot load it") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optim"])
-
-
-def check_shards(path) -> None:
-    """Every byte range the metadata of sharded checkpoint `path` names is in its files: a
-    deleted or truncated shard is a ValueError naming it (DCP would trace back mid-load)."""
-    storage = safe_reader(path).read_metadata().storage_data
-    ends: dict[str, int] = {}
-    for info in (storage or {}).values():
-        name = str(info.relative_path)
-        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
-    for name, end in sorted(ends.items()):
-        shard = Path(path) / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise ValueError(f"shard {name!r} lies outside the checkpoint")
-        if not shard.is_file():
-            raise ValueError(f"shard {name} is missing")
-        if shard.stat().st_size < end:
-            raise ValueError(f"shard {name} is cut short ({shard.stat().st_size} of {end} "
-                             f"bytes)")
-
-
-def sharded_shapes(path) -> dict[str, torch.Size]:
-    """{weight name: shape} of a sharded checkpoint's model, from its metadata alone."""
-    meta = safe_reader(path).read_metadata().state_dict_metadata
-    return {k.removeprefix("model."): v.size for k, v in meta.items()
-            if k.startswith("model.") and hasattr(v, "size")}
-
-
-# DCP writes its index (`.metadata`) as a plain pickle and reads it back with pickle.load, which
-# runs whatever code a crafted file names. A checkpoint directory is untrusted input: the index
-# is read here with only the classes DCP's own index is made of.
-MAX_DCP_METADATA = 1 << 28  # bytes; the index of a 70B model's sharded state is a few MiB
-_DCP_METADATA_CLASSES = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                         "_MEM_FORMAT_ENCODING"}
-_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        allowed = (module == "torch.distributed.checkpoint.metadata"
-                   and name in _DCP_METADATA_CLASSES
-                   or (module, name) in {("torch.distributed.checkpoint.filesystem",
-                                          "_StorageInfo"), ("torch", "Size"),
-                                         ("torch.serialization", "_get_layout")}
-                   or module == "pathlib" and name in _PATHS
-                   or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise pickle.UnpicklingError(f".metadata names {module}.{name}, which is not part "
-                                         f"of a DCP index and is never unpickled")
-        return super().find_class(module, name)
-
-
-def safe_reader(path):
-    """DCP's FileSystemReader for directory `path`, reading `.metadata` by the allowlist."""
-    return _safe_reader_class()(str(path))
-
-
-@functools.cache
-def _safe_reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs) -> Metadata:
-            rank = kwargs.get("rank")
-            path = Path(str(self.path)) / (".metadata" if rank is None else f"__{rank}.metadata")
-            if path.stat().st_size > MAX_DCP_METADATA:
-                raise ValueError(f"{path.name} is {path.stat().st_size} bytes, beyond the "
-                                 f"{MAX_DCP_METADATA} of any DCP index")
-            with open(path, "rb") as f:
-                meta = _IndexUnpickler(f).load()
-            if not isinstance(meta, Metadata):
-                raise ValueError(f"{path.name} holds a {type(meta).__name__}, not DCP's index")
-            coded = sorted(str(k.fqn) for k, info in (meta.storage_data or {}).items()
-                           if getattr(info, "transform_descriptors", None))
-            if coded:  # never written here; a decompressor could inflate bytes without bound
-                raise ValueError(f"{path.name}: item {coded[0]} is stored through a transform "
-                                 f"(compression), which mini-grpo never writes")
-            _check_entries(meta, path.name)
-            if getattr(meta, "storage_meta", None) is None:  # as FileSystemReader does
-                meta.storage_meta = StorageMeta()
-            meta.storage_meta.load_id = self.load_id
-            return meta
-
-    return SafeReader
-
-
-def _dims(size, ndim: int | None = None) -> bool:
-    """A torch.Size of non-negative ints (of `ndim` dimensions, where given)."""
-    return isinstance(size, torch.Size) and (ndim is None or len(size) == ndim) and all(
-        type(d) is int and d >= 0 for d in size)
-
-
-def _check_entries(meta, name: str) -> None:
-    """Every entry of DCP index `name` as DCP writes one: a tensor's size and its chunks are
-    non-negative ints, the chunks within the size, and the tensor's bytes no more than the
-    index stores for it (sizes read from a crafted index made torch.empty trace back, or
-    overflow, where the model is compared with them)."""
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        TensorStorageMetadata,
-    )
-
-    stored: dict[str, int] = {}
-    for index, info in (meta.storage_data or {}).items():
-        length = getattr(info, "length", None)
-        if type(length) is not int or length < 0:
-            raise ValueError(f"{name}: the bytes of item {getattr(index, 'fqn', index)!r} are "
-                             f"{length!r}, not a length")
-        stored[index.fqn] = stored.get(index.fqn, 0) + length
-    for key, entry in (meta.state_dict_metadata or {}).items():
-        if isinstance(entry, BytesStorageMetadata) and isinstance(key, str):
-            continue
-        if not (isinstance(entry, TensorStorageMetadata) and isinstance(key, str)):
-            raise ValueError(f"{name}: entry {str(key)[:200]} is a {type(entry).__name__}, not a "
-                             f"tensor's or bytes' entry")
-        size, dtype = entry.size, getattr(entry.properties, "dtype", None)
-        if not _dims(size):
-            shown = list(size) if isinstance(size, torch.Size) else repr(size)
-            raise ValueError(f"{name}: entry {key} has size {shown}, not a tensor's "
-                             f"(non-negative integers)")
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name}: entry {key} has dtype {dtype!r}, not a torch dtype")
-        if math.prod(size) * dtype.itemsize > stored.get(key, 0):
-            raise ValueError(f"{name}: entry {key} of size {tuple(size)} would take more than "
-                             f"the {stored.get(key, 0)} bytes the index stores for it")
-        for chunk in entry.chunks or []:
-            if not (_dims(chunk.offsets, len(size)) and _dims(chunk.sizes, len(size)) and all(
-                    o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, size))):
-                raise ValueError(f"{name}: entry {key} has a chunk outside its size "
-                                 f"{tuple(size)}")
-
-
-@functools.cache
-def _safe_planner_class():
-    """DCP's DefaultLoadPlanner, but a shard's non-tensor items (the optimizer's param_groups
-    values, any byte item) are read with torch.load(weights_only=True): torch's own reads them
-    with weights_only=False, which runs whatever code a planted pickle names."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class SafePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value) -> None:
-            fqn = read_item.dest_index.fqn
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError:
-                raise ValueError(f"item {fqn} holds more than tensors and plain values, which "
-                                 f"are never unpickled") from None
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
-
-    return SafePlanner

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from . import fsdp
+from . import dcp_index
 from .checkpoint import (
     CheckpointError,
     base_fingerprint,
@@ -221,7 +221,7 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
     weights = state.get("model")
     if state.get("sharded"):  # names and shapes from DCP's metadata, nothing read yet
         weights = {k: torch.empty(s, device="meta")
-                   for k, s in fsdp.sharded_shapes(state["sharded"]).items()}
+                   for k, s in dcp_index.sharded_shapes(state["sharded"]).items()}
     if not isinstance(weights, dict):
         raise CheckpointError(f"{source}: no model weights")
     try:

@@ -346,19 +346,19 @@ def test_a_sharded_checkpoints_index_is_read_by_an_allowlist_never_run(tmp_path,
 
     import torch.distributed.checkpoint as dcp
 
-    from mini_grpo import fsdp
+    from mini_grpo import dcp_index
     path = sharded(tmp_path, 3)
-    assert fsdp.sharded_shapes(path) == {"w": torch.Size([64, 64])}  # DCP's own index reads
+    assert dcp_index.sharded_shapes(path) == {"w": torch.Size([64, 64])}  # DCP's own index reads
     marker = tmp_path / "ran"
     if index == "huge":
-        monkeypatch.setattr(fsdp, "MAX_DCP_METADATA", 100)
+        monkeypatch.setattr(dcp_index, "MAX_DCP_METADATA", 100)
     else:
         (path / ".metadata").write_bytes(pickle.dumps(Boom(marker) if index == "code" else {}))
     with pytest.raises(CheckpointError, match=why) as e:
         load_checkpoint(path)
     assert "\n" not in str(e.value) and not marker.exists()
     with pytest.raises(BaseException) as e:  # DCP: a CheckpointException (BaseException)
-        dcp.load({"model": {"w": torch.empty(64, 64)}}, storage_reader=fsdp.safe_reader(path))
+        dcp.load({"model": {"w": torch.empty(64, 64)}}, storage_reader=dcp_index.safe_reader(path))
     failures = getattr(e.value, "failures", {})  # {rank: error}; the reader read_shards uses
     said = " ".join(map(str, [e.value, *failures.values()]))
     # torch 2.11 (seen on a GPU machine) logs the reader's error, raises "metadata is None"

@@ -371,7 +371,7 @@ def test_lora_under_fsdp_saves_adapter_shards_that_resume_in_one_process(lm_dirs
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MiB frozen: LoRA's base" in r.stdout
     ckpt = out / "checkpoints" / "step_0000002.dcp"
-    from mini_grpo.fsdp import sharded_shapes
+    from mini_grpo.dcp_index import sharded_shapes
     assert all(".lora_" in k for k in sharded_shapes(ckpt))  # the adapters' shards alone
     r = subprocess.run([sys.executable, *args, "--max_steps=3"], cwd=ROOT, capture_output=True,
                        text=True, env=clean_env(), timeout=300)  # 2 ranks -> 1 process
