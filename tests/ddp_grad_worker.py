@@ -25,6 +25,18 @@ from mini_grpo.trajectory import Trajectory
 PROMPTS, G, N = 4, 4, 12
 
 
+def sft_rows(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of an SFT batch: right-padded rows of these lengths (width 20, ids 4..23), their
+    targets on each row's second half (-1 elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(len(lengths), 20, dtype=torch.long)
+    y = torch.full((len(lengths), 20), -1)
+    for i, n in enumerate(lengths):
+        x[i, :n] = torch.randint(4, 24, (n,), generator=g)
+        y[i, n // 2:n] = torch.randint(4, 24, (n - n // 2,), generator=g)
+    return x, y
+
+
 class PlainState:
     """What sft_pass asks of a TrainState in fp32: its autocast (off), its backward (plain)
     and the weights' cast (none)."""

@@ -16,7 +16,7 @@ import gc
 import sys
 
 import torch
-from ddp_grad_worker import PROMPTS, G, PlainState, make_batch, take
+from ddp_grad_worker import PROMPTS, G, PlainState, make_batch, sft_rows, take
 
 from mini_grpo import distributed as D
 from mini_grpo import fsdp
@@ -88,13 +88,7 @@ def sft_gradient(dist, parallelism: str) -> list[torch.Tensor]:
     averaged, is not the batch's), rank 0 in smaller micro-batches than the others (fsdp
     pads the others' passes). Sharded, through the compile wrapper run.net is under
     compile_model, left eager (compiling costs ~30 s): fsdp must see the model inside."""
-    g = torch.Generator().manual_seed(5)
-    lengths = [20, 18, 16, 3, 4, 2]
-    x = torch.zeros(6, 20, dtype=torch.long)
-    y = torch.full((6, 20), -1)
-    for i, n in enumerate(lengths):  # right-padded rows; targets on their second half
-        x[i, :n] = torch.randint(4, 24, (n,), generator=g)
-        y[i, n // 2:n] = torch.randint(4, 24, (n - n // 2,), generator=g)
+    x, y = sft_rows([20, 18, 16, 3, 4, 2], seed=5)
     W = dist.world_size
     rows = slice(dist.rank * 6 // W, (dist.rank + 1) * 6 // W)
     model = build("gpt")

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from ddp_grad_worker import G, PlainState, make_batch
+from ddp_grad_worker import G, PlainState, make_batch, sft_rows
 
 from mini_grpo.config import load_config
 from mini_grpo.engines.base import Rollout
@@ -144,13 +144,7 @@ def test_sft_passes_with_the_weights_cast_once_give_autocasts_gradients_bit_for_
 def test_sft_micro_batches_leave_the_loss_and_gradient_as_they_were():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
-    g = torch.Generator().manual_seed(1)
-    lengths = [3, 11, 6, 20, 8, 2]
-    x = torch.zeros(6, 20, dtype=torch.long)
-    y = torch.full((6, 20), -1)
-    for i, n in enumerate(lengths):  # right-padded rows; targets on their second half
-        x[i, :n] = torch.randint(4, 24, (n,), generator=g)
-        y[i, n // 2:n] = torch.randint(4, 24, (n - n // 2,), generator=g)
+    x, y = sft_rows([3, 11, 6, 20, 8, 2], seed=1)
     with torch.no_grad():
         expected = sft_loss(model, x, y)
     whole = sft_pass(model, x, y, 0, PlainState())
