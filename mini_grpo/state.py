@@ -188,8 +188,20 @@ class TrainState:
         if not isinstance(rngs, list) or not rngs:
             raise CheckpointError(f"{source}: its 'rng' entry is not a list of each rank's "
                                   f"RNG state")
-        skipped = set_rng_state(rngs[min(self.dist.rank, len(rngs) - 1)], self.gen, source)
+        rank = self.dist.rank
+        state, skipped = rngs[min(rank, len(rngs) - 1)], []
+        if rank >= len(rngs):  # more ranks than wrote it: the global RNG is seeded alike on
+            # every rank, but a new rank's sampling stream must not repeat another's
+            state = {k: v for k, v in state.items() if not k.startswith("generator")}
+            skipped.append(f"rank {rank}'s sampling generator ({len(rngs)} rank(s) wrote "
+                           f"the checkpoint)")
+        skipped += set_rng_state(state, self.gen, source)
         self.current_step = ckpt["step"]
         if skipped:
-            self.logger.event(self.current_step, "resumed without restoring "
-                              + "; ".join(skipped) + ": those draws start from the seed")
+            message = ("resumed without restoring " + "; ".join(skipped)
+                       + ": those draws start from the seed")
+            if self.logger is not None:
+                self.logger.event(self.current_step, message)
+            else:  # only rank 0 logs: another rank says it on the console
+                print(f"[mini-grpo] rank {rank} step {self.current_step}: {message}",
+                      flush=True)

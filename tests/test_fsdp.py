@@ -140,6 +140,9 @@ def test_a_one_process_checkpoint_resumes_under_fsdp_on_more_ranks(tmp_path):
     r = torchrun("distributed_train.py", *TINY, f"--out_dir={out}")  # 1 process -> 2 ranks
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming GRPO from step 2" in r.stdout
+    # rank 1 has no saved stream: it samples from its own seed, not a copy of rank 0's
+    assert ("rank 1 step 2: resumed without restoring rank 1's sampling generator (1 rank(s) "
+            "wrote the checkpoint)") in r.stdout
     assert [m["step"] for m in metrics(out) if "reward/mean" in m][-1] == 4
     assert load_checkpoint(list_checkpoints(out / "checkpoints")[-1])["step"] == 4
 
