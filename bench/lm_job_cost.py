@@ -89,8 +89,11 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
         phases[name] = round(ends[name] - start, 1)
         start = ends[name]
     ev = json.loads((out / "eval.json").read_text())
-    from mini_grpo.dtype_probe import cpu_name
-    return {"cpu": cpu_name(), "args": list(extra), "wall_s": round(wall, 1),
+    from mini_grpo.dtype_probe import cpu_isa, cpu_name
+    # the name alone can be one generic "AMD EPYC" on a Zen4 (AVX-512 BF16) and on a CPU
+    # with AVX2 alone: the instruction sets say which kernels ran
+    return {"cpu": cpu_name(), "isa": cpu_isa()["flags"], "args": list(extra),
+              "wall_s": round(wall, 1),
               "wall_min": round(wall / 60, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
               "phase_s": phases, "peak_rss_gb_by_phase_end": hwm, "grpo_steps": len(steps),
               "grpo_median_s": {k: median(f"time/{k}")

@@ -34,7 +34,7 @@ def row(name: str, seed: int, r: dict) -> dict:
 
     def acc(stage, mode):
         return round(ev[stage][mode]["correct"], 4) if stage in ev else None
-    return {"name": name, "seed": seed, "cpu": r["cpu"], "args": r["args"],
+    return {"name": name, "seed": seed, "cpu": r["cpu"], "isa": r.get("isa"), "args": r["args"],
             "wall_min": r["wall_min"], "peak_rss_gb": r["peak_rss_gb"],
             "grpo_steps": r["grpo_steps"],  # fewer than max_steps where max_minutes ended it
             "grpo_median_step_s": r["grpo_median_s"]["step"], "phase_s": r["phase_s"],

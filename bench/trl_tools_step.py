@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from trl_step import compare, summary, timed_trl  # noqa: E402
+from trl_step import compare, summary, timed_trl, trl_precisions  # noqa: E402
 
 MODEL = ROOT / "runs" / "smollm2_calculator" / "hf"
 WORK = dict(prompts=8, group=8, new_tokens=80, micro=16, temperature=0.7, lr=1e-5,
@@ -143,16 +143,17 @@ def main() -> int:
     save = claim(a.out, __file__)
     if not (Path(a.model) / "config.json").exists():
         sys.exit(f"{a.model}: not found; run `make calculator-job` first (or pass --model)")
-    from mini_grpo.dtype_probe import cpu_name
+    from mini_grpo.dtype_probe import cpu_isa, cpu_name
 
-    results = {"cpu": cpu_name(), "work": WORK, "warmup": a.warmup, "steps": a.steps,
+    results = {"cpu": cpu_name(), "isa": cpu_isa()["flags"], "work": WORK, "warmup": a.warmup,
+               "steps": a.steps,
                "model": "the calculator job's (SmolLM2-135M-Instruct after SFT and GRPO with "
                         "the tool), with TRL's Qwen2.5 chat template"}
     with tempfile.TemporaryDirectory() as tmp:
         model = with_template(Path(a.model), Path(tmp) / "model")
         results["mini_grpo"] = run_ours(model, a.warmup, a.steps)
         env = dict(os.environ, OMP_NUM_THREADS="2")
-        for precision in ("fp32", "bf16"):
+        for precision in trl_precisions(results):
             r = subprocess.run([sys.executable, __file__, "--trl", precision, "--model",
                                 str(model), "--warmup", str(a.warmup), "--steps", str(a.steps)],
                                cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
