@@ -30,12 +30,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_untrusted import tiny_checkpoint
 
-from mini_grpo.chat_template import MAX_CHARS, ChatTemplate
+from mini_grpo.chat_template import ChatTemplate
 from mini_grpo.checkpoint import CheckpointError
 from mini_grpo.config import GRPOConfig, load_config, parse_cli
 from mini_grpo.fields import ConfigError
 from mini_grpo.scoring import RewardError
 from mini_grpo.tasks.jsonl import load_jsonl
+from mini_grpo.template_bounds import MAX_CHARS
 
 EXIT_2 = (ConfigError, CheckpointError, RewardError)
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 from conftest import ROOT, clean_env, entry, tiny_lm_dir
 
-from mini_grpo.chat_template import MAX_CHARS, ChatTemplate
+from mini_grpo.chat_template import ChatTemplate
 from mini_grpo.checkpoint import CheckpointError
 from mini_grpo.fields import ConfigError
 from mini_grpo.models.hf import load_hf_model
+from mini_grpo.template_bounds import MAX_CHARS
 from mini_grpo.tokenizer import (
     CharTokenizer,
     HFTokenizer,
