@@ -309,7 +309,9 @@ def export_main(argv: list[str]) -> int:
             _check_gguf_output(args.output)
         else:  # before any work: a run directory or a user's files are never replaced
             check_replaceable(args.output, ADAPTER_FILES if args.adapter else WRITTEN)
-        state, cfg = _from_checkpoint(args.checkpoint, ["--rewards=null"])
+        # what it writes holds no rewards, tools or environment: none of them is imported
+        state, cfg = _from_checkpoint(args.checkpoint,
+                                      ["--rewards=null", "--tools=[]", "--environment="])
         model, tok = build_policy(cfg, None, state)
         if gguf:
             path = _write_gguf(model, tok, args.output, args.gguf_type,

@@ -42,7 +42,7 @@ from .tokenizer import (
     check_model_vocab,
     tokenizer_from_state,
 )
-from .tools import tool_schemas
+from .tools import BUILTIN_TOOLS, tool_schemas
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,34 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
     return spec
 
 
+# The fields whose values name code to import (package.module:name), each with the values
+# mini-grpo ships itself and how a user names it on the command line.
+def foreign_code(cfg: GRPOConfig) -> dict[str, list[str]]:
+    """{field: its values that would import code mini-grpo does not ship}."""
+    return {"rewards": [r["name"] for r in cfg.rewards or [] if r["name"] not in REWARDS],
+            "tools": [t for t in cfg.tools if t not in BUILTIN_TOOLS],
+            "environment": [cfg.environment] if cfg.environment else []}
+
+
+NAME_IT = {"rewards": ("--rewards='[{{name: {}}}]'", "--rewards=null for the task's defaults"),
+           "tools": ("--tools='[{}]'", "--tools=[] for none"),
+           "environment": ("--environment={}", "--environment='' for none")}
+
+
+def refuse_stored_code(cfg: GRPOConfig, named: set[str], source: str) -> None:
+    """The one rule for code a file names (a checkpoint's stored config; DESIGN.md): a field
+    of foreign_code is imported only where the user named that field, on the command line or
+    in their --config file (`named`); where the value is the file's alone, CheckpointError
+    before anything is imported. A user who names the field takes what it runs as theirs."""
+    for field, values in foreign_code(cfg).items():
+        if values and field not in named:
+            example, none = NAME_IT[field]
+            raise CheckpointError(
+                f"{source}: its config names {field} mini-grpo does not ship "
+                f"({', '.join(values)}); code a checkpoint names is not imported: name the "
+                f"{field} yourself, e.g. {example.format(values[0])}, or {none}")
+
+
 def checkpoint_config(path: str, overrides: dict[str, str],
                       config: str | None = None) -> tuple[dict, GRPOConfig]:
     """(state, config) of a checkpoint for `mini-grpo evaluate / sample / rft-generate`:
@@ -258,8 +286,8 @@ def checkpoint_config(path: str, overrides: dict[str, str],
     init_from is the path.
 
     The stored config is untrusted input, checked exactly like a user's (unknown keys, bad
-    values: CheckpointError naming the key). Reward plugins it names that mini-grpo does not
-    ship are not imported unless the user names the rewards (command line or config file).
+    values: CheckpointError naming the key). The code it names (reward plugins, tools, an
+    environment) is never imported on its own say: refuse_stored_code.
     The model it describes must match the stored weights' shapes before anything is
     allocated: the comparison runs on the meta device.
     """
@@ -279,13 +307,6 @@ def checkpoint_config(path: str, overrides: dict[str, str],
                                else ())}
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    if "rewards" not in named:
-        foreign = [r["name"] for r in cfg.rewards or [] if r["name"] not in REWARDS]
-        if foreign:
-            raise CheckpointError(f"{path}: its config names reward plugins mini-grpo does not "
-                                  f"ship ({', '.join(foreign)}); they are not imported from a "
-                                  f"checkpoint: name the rewards yourself, e.g. "
-                                  f"--rewards='[{{name: {foreign[0]}}}]', or --rewards=null "
-                                  f"for the task's defaults")
+    refuse_stored_code(cfg, named, path)
     checkpoint_spec(state, cfg, tok, path)  # sharded: the shards are read by build_policy
     return state, cfg

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, clean_env, entry, tiny
+from conftest import ROOT, TINY, clean_env, entry, tiny
 
 from mini_grpo import distributed as D
 from mini_grpo.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -125,6 +125,56 @@ def test_a_checkpoint_never_imports_a_plugin_only_it_names(checkpoint, tmp_path)
     r = evaluate_cmd(path, tmp_path, "--config", "mine.yaml")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "PLUGIN_RAN").exists()
+
+
+PLANTED = 'from pathlib import Path\nPath("PLANTED_RAN").write_text("imported")\n'
+# a checkpoint's config naming code of a module planted where the command runs
+STORED_CODE = {"rewards": [{"name": "planted:fn", "weight": 1.0}],
+               "tools": ["planted:tool"], "environment": "planted:Env"}
+
+
+def mini_grpo_cmd(cwd, *args):
+    """`python -m mini_grpo ARGS` run from `cwd`, which `python -m` puts first on sys.path."""
+    return subprocess.run([sys.executable, "-m", "mini_grpo", *args], capture_output=True,
+                          text=True, cwd=cwd, env=clean_env(), timeout=300)
+
+
+@pytest.mark.parametrize("field", list(STORED_CODE))
+def test_code_a_checkpoint_names_is_never_imported(checkpoint, tmp_path, field):
+    """rewards, tools, environment: each names code to import (package.module:name), and a
+    module planted beside the checkpoint runs under none of the commands that read it."""
+    (tmp_path / "planted.py").write_text(PLANTED)
+    path = tampered(checkpoint, tmp_path, **{field: STORED_CODE[field]})
+    line = one_line_exit_2(mini_grpo_cmd(tmp_path, "evaluate", "--checkpoint", str(path),
+                                         "--num_eval=2"))
+    value = "planted:" + {"rewards": "fn", "tools": "tool", "environment": "Env"}[field]
+    assert f"names {field} mini-grpo does not ship ({value})" in line and "not imported" in line
+    (tmp_path / "mine.yaml").write_text("num_eval: 2\n")  # a config file that does not name it
+    one_line_exit_2(mini_grpo_cmd(tmp_path, "evaluate", "--checkpoint", str(path),
+                                  "--config", "mine.yaml"))
+    one_line_exit_2(mini_grpo_cmd(tmp_path, "rft-generate", "--output", "rft.jsonl",
+                                  "--checkpoint", str(path)))
+    r = mini_grpo_cmd(tmp_path, "sample", "--prompt", "e2e4", "--max_new_tokens=2",
+                      "--checkpoint", str(path))
+    if field == "rewards":  # sampling scores nothing: the rewards are dropped, not imported
+        assert r.returncode == 0, r.stderr[-2000:]
+    else:
+        one_line_exit_2(r)
+    r = mini_grpo_cmd(tmp_path, "export", "--checkpoint", str(path), "--output", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]  # what it writes needs none of them
+    r = subprocess.run([sys.executable, str(ROOT / "distributed_train.py"), "--config", "tiny",
+                        *(f"--{k}={v}" for k, v in TINY.items()), f"--resume={path}",
+                        "--out_dir=run", "--max_steps=2"],
+                       capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
+                       timeout=300)
+    # resumed under the user's config: tools and environment are fixed on resume (refused)
+    assert r.returncode == (0 if field == "rewards" else 2), r.stderr[-2000:]
+    assert not (tmp_path / "PLANTED_RAN").exists()
+    # named by the user, the same value is theirs to run (it runs: the marker appears)
+    named = {"rewards": "--rewards=[{name: 'planted:fn'}]", "tools": "--tools=[planted:tool]",
+             "environment": "--environment=planted:Env"}[field]
+    mini_grpo_cmd(tmp_path, "evaluate", "--checkpoint", str(path), "--num_eval=2", named)
+    assert (tmp_path / "PLANTED_RAN").exists()
 
 
 @pytest.mark.parametrize("config, needle", [
