@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,12 @@ class RunLogger:
         self.tb = self.wandb = None
         if "tensorboard" in report_to:  # the event file itself: a step's values go as one event
             from torch.utils.tensorboard.writer import FileWriter
-            self.tb = self._written("tb", FileWriter, str(self.out_dir / "tb"))
+
+            # TensorBoard opens its event file with "wb" under a name made of the time, host
+            # and pid: a random suffix makes it one that no link (a user's file under a
+            # planted or copied name) can have been waiting at
+            self.tb = self._written("tb", lambda: FileWriter(
+                str(self.out_dir / "tb"), filename_suffix=f".{secrets.token_hex(8)}"))
         if "wandb" in report_to:
             self.wandb = _wandb_run(self.out_dir, config)
         self.start_clock(0)
@@ -43,14 +49,11 @@ class RunLogger:
         of a row: a size that is not (a file edited since) leaves the file as it is."""
         if size is None or not 0 <= size < self.jsonl.size:
             return
-        if size:
-            with open(self.jsonl.path, "rb") as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    print(f"[mini-grpo] {self.jsonl.path}: {size} bytes is not the end of a "
-                          f"row; nothing cut", file=sys.stderr, flush=True)
-                    return
-        os.truncate(self.jsonl.path, size)
+        if size and os.pread(self.jsonl.fd, 1, size - 1) != b"\n":
+            print(f"[mini-grpo] {self.jsonl.path}: {size} bytes is not the end of a row; "
+                  f"nothing cut", file=sys.stderr, flush=True)
+            return
+        os.ftruncate(self.jsonl.fd, size)  # the file opened, checked: no other name's
         self.jsonl.size = size
 
     @property

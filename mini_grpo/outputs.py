@@ -18,7 +18,10 @@ that replaces the old directory by renames; a failed write (disk full, I/O error
 temporary directory, leaves the old one as it was, and is an OutputWriteError of one line (exit
 1). A file is written the same way (write_atomic: checkpoints, GGUF exports, the dtype probe's
 cache, tokenizer files, eval.json): into a temporary sibling, renamed over it once whole;
-`durable` fsyncs it and its directory, so that the rename survives a power cut.
+`durable` fsyncs it and its directory, so that the rename survives a power cut. A file written
+in place instead (LineFile's appends, a lock's holder line) is opened by open_in_place, which
+refuses a link there: a symbolic one, or a hard one (a file with another name, `cp -al`), whose
+other names would see the writes.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def claim_run_dir(out_dir: str | Path) -> int:
                           f"directory{hint})")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / RUN_MARKER, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_in_place(out / RUN_MARKER)
     except OSError as e:
         raise ConfigError(f"out_dir: cannot write to {out_dir} ({e.strerror or e})") from None
     try:
@@ -149,6 +152,49 @@ def claim_run_dir(out_dir: str | Path) -> int:
                           f"wait for it to end, or choose another out_dir") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"mini-grpo run, pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return fd
+
+
+def check_in_place(path: str | Path) -> None:
+    """ConfigError naming `path` unless it is absent or a plain file of one name: a file
+    written in place (appended to, a lock rewritten) that is a symbolic link, or a hard link
+    (st_nlink > 1: `cp -al` of a run directory, a user's `ln`), would change under its other
+    names too. A file replaced whole (write_atomic) needs no such check: the rename breaks
+    the link, and the other names keep the old contents."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{path}: is a symbolic link; not written through it (move it away)")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: is not a plain file; not written (move it away)")
+    if st.st_nlink > 1:
+        raise ConfigError(f"{path}: is a hard link (one file under {st.st_nlink} names), which "
+                          f"writing it in place would change under its other names too; not "
+                          f"written (give it a copy of its own, or move it away)")
+
+
+def open_in_place(path: str | Path, append: bool = False) -> int:
+    """A read-write descriptor of `path`, made where absent, for writing it in place (the
+    appends of LineFile, a lock's holder line): refused as check_in_place says before a byte
+    is written, its checks made on the file opened (no link followed), not on a name that
+    may change between a check and the open."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            check_in_place(path)
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            check_in_place(path)
+            raise ConfigError(f"{path}: changed while it was opened; not written")
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -208,6 +254,10 @@ def write_atomic(output: str | Path, fill: Callable[[Path], None],
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         clean_temps(out)
+        # what is at our own temporary name is no write of ours under way but a killed
+        # writer's of the same pid (a container's pids repeat), maybe a link (`cp -al`):
+        # fill would write through it
+        _remove(tmp)
         fill(tmp)
         if durable:
             _fsync(tmp)
@@ -230,7 +280,7 @@ def replace_dir(output: str | Path, owned: re.Pattern, fill: Callable[[Path], No
     out = check_replaceable(output, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp(out)
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     try:
         tmp.mkdir()
         fill(tmp)
@@ -407,12 +457,15 @@ def _as_umask_gives(directory: Path, mode: int) -> None:
 class LineFile:
     """A file appended in whole lines (metrics.jsonl, RFT shards): a partial last line (a
     kill mid-write) is cut at open; a write that fails (disk full) cuts the file back to its
-    last whole line and is an OutputWriteError of one line."""
+    last whole line and is an OutputWriteError of one line. A link at `path` (symbolic, or
+    hard: another name of the file) is refused before anything is cut or written
+    (open_in_place)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.size = whole_lines(self.path) if self.path.is_file() else 0
-        self.f = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+        self.fd = open_in_place(self.path, append=True)
+        self.size = whole_lines(self.fd)
+        self.f = os.fdopen(self.fd, "ab", buffering=0)  # closed by close()
 
     def append(self, text: str) -> None:
         data = text.encode()
@@ -422,7 +475,7 @@ class LineFile:
                 done += self.f.write(data[done:])
         except OSError as e:
             with contextlib.suppress(OSError):
-                os.truncate(self.path, self.size)
+                os.ftruncate(self.fd, self.size)
             raise OutputWriteError(f"cannot write {self.path}: {write_reason(e)}") from e
         self.size += len(data)
 
@@ -436,15 +489,15 @@ class LineFile:
         self.close()
 
 
-def whole_lines(path: Path) -> int:
-    """The size of `path` up to its last whole line, a partial one (a kill mid-write) cut."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(max(0, size - (1 << 20)))  # a line is far shorter than the tail read
-        tail = f.read()
-    if b"\n" not in tail and len(tail) < size:
+def whole_lines(fd: int) -> int:
+    """The size of open file `fd` up to its last whole line, a partial one (a kill mid-write)
+    cut."""
+    size = os.fstat(fd).st_size
+    start = max(0, size - (1 << 20))  # a line is far shorter than the tail read
+    tail = os.pread(fd, size - start, start)
+    if b"\n" not in tail and start > 0:
         return size  # no line end in the last MiB: not ours to cut
-    end = size - len(tail) + tail.rfind(b"\n") + 1
+    end = start + tail.rfind(b"\n") + 1
     if end != size:
-        os.truncate(path, end)
+        os.ftruncate(fd, end)
     return end

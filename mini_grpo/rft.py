@@ -49,7 +49,7 @@ from . import distributed as D
 from .data import shard
 from .engines import Sampling
 from .fields import ConfigError
-from .outputs import LineFile, check_parent, write_file
+from .outputs import LineFile, check_parent, open_in_place, write_file
 from .precision import release_freed_memory
 from .scoring import score
 from .sft import stage_changes
@@ -174,7 +174,7 @@ def lock(output: Path) -> int | None:
     path = lock_file(output)
     for _ in range(10):  # the holder removes the file as it ends: then lock the new one
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = open_in_place(path)  # no link: its holder line is written in place
         except OSError as e:
             raise ConfigError(f"--output {output}: cannot write {path} ({e.strerror or e})") \
                 from None

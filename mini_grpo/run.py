@@ -47,7 +47,7 @@ from .logger import RunLogger
 from .lora import ADAPTER_FILES, LoRAFacts, is_lora, store_base_in
 from .models import CausalLM, build, spec
 from .models.hf import WRITTEN
-from .outputs import check_replaceable, claim_run_dir
+from .outputs import check_in_place, check_replaceable, claim_run_dir
 from .policy import build_policy, lora_facts, weights_from_rank0
 from .precision import (
     Precision,
@@ -268,13 +268,16 @@ def _fsdp_dtype(precision: Precision) -> torch.dtype | None:
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.json", "reward.png", "tokenizer.json")
 RUN_DIRS = ("checkpoints", "tb", "sft", "rft", "wandb")
 _EVENTS = re.compile(r"events\.out\.tfevents\..*")  # TensorBoard's files
+# what a run writes in place (appends, a lock), so never under a hard link: metrics.jsonl and
+# RFT's shards and lock in rft/; everything else it replaces whole (temporary file, rename)
+_RFT_IN_PLACE = re.compile(r".*\.(rank\d+(\.done)?|rft\.lock)")
 
 
 def claim_out_dir(cfg: GRPOConfig, dist: D.DistInfo) -> int | None:
     """Rank 0 takes out_dir for this run (outputs.claim_run_dir: new, empty or a run's, and
-    locked) and checks every output the run writes there, so that nothing is refused after
-    the work (`resume: never` clears the run before's checkpoints and logs later, once the
-    run is set up: job.train). Every rank
+    locked) and checks every output the run writes there (one it writes in place: no link),
+    so that nothing is refused after the work (`resume: never` clears the run before's
+    checkpoints and logs later, once the run is set up: job.train). Every rank
     raises rank 0's refusal. Returns rank 0's locked claim (None on the others)."""
     claim = why = None
     if dist.is_main:
@@ -290,6 +293,9 @@ def claim_out_dir(cfg: GRPOConfig, dist: D.DistInfo) -> int | None:
                                       f"writes there; not overwritten (move it away)")
             for name, owned in (("hf", WRITTEN), ("adapter", ADAPTER_FILES)):
                 check_replaceable(out / name, owned)
+            for p in [out / "metrics.jsonl", *(out / "rft").glob("*")]:
+                if p.name == "metrics.jsonl" or _RFT_IN_PLACE.fullmatch(p.name):
+                    check_in_place(p)
         except ConfigError as e:
             if claim is not None:
                 os.close(claim)

@@ -105,6 +105,39 @@ def test_tensorboard_write_errors_are_one_line(tmp_path, monkeypatch):
     log.close()
 
 
+def test_no_file_under_another_name_is_written_by_the_logger(tmp_path, monkeypatch):
+    """A hard link (`cp -al` of a run, a user's `ln`) as metrics.jsonl is refused in one line
+    naming it, its partial last line not cut; TensorBoard's event file gets a name no one
+    could have put a link at beforehand (its "wb" emptied a file planted at the name made of
+    the time, host, pid and count)."""
+    import os
+    import types
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer import event_file_writer as efw
+
+    from mini_grpo.logger import RunLogger
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the user's notes\nno line end")
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    os.link(notes, run / "metrics.jsonl")
+    with pytest.raises(ConfigError, match="metrics.jsonl: is a hard link") as e:
+        RunLogger(run, 10, report_to=())
+    assert "\n" not in str(e.value)
+    (run / "metrics.jsonl").unlink()
+    monkeypatch.setattr(efw, "time", types.SimpleNamespace(time=lambda: 1.7e9))
+    monkeypatch.setattr(efw, "socket", types.SimpleNamespace(gethostname=lambda: "host"))
+    name = f"events.out.tfevents.1700000000.host.{os.getpid()}.{efw._global_uid._value}"
+    os.link(notes, run / "tb" / name)
+    log = RunLogger(run, 10, report_to=("tensorboard",))
+    log.scalars(1, {"reward": 0.5})
+    log.close()
+    assert notes.read_text() == "the user's notes\nno line end"
+    assert log.tb_file.parent == run / "tb" and log.tb_file.name != name
+
+
 def test_a_steps_scalars_are_one_tensorboard_event_with_every_value(tmp_path):
     """One event a logged step (an event a scalar made protobuf's runtime call malloc_trim
     every ~45 GRPO steps, undoing cpu_malloc_cache); TensorBoard reads each scalar at its

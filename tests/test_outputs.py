@@ -443,3 +443,41 @@ def test_a_terminated_export_leaves_no_temporary(tmp_path, what):
         p.kill()
     assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_written_in_place_is_refused_under_a_hard_link(tmp_path):
+    """`cp -al` of a run, a user's `ln`: a file a run writes in place (metrics.jsonl, RFT's
+    shards, the run's lock) that is one name of a file with others is refused at setup with
+    one line naming it, before any work; the other name's contents stay as they were (the
+    run appended rows to them). A file replaced whole breaks the link: no refusal there."""
+    from conftest import tiny
+
+    from mini_grpo.outputs import RUN_MARKER, LineFile, claim_run_dir, write_atomic
+    from mini_grpo.run import setup
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the user's notes\nno line end")
+    for planted in ("metrics.jsonl", "rft/data.jsonl.rank0", "rft/data.jsonl.rank0.done"):
+        run = tmp_path / planted.replace("/", "_")
+        (run / "rft").mkdir(parents=True)
+        (run / RUN_MARKER).write_text("")
+        os.link(notes, run / planted)
+        with pytest.raises(ConfigError, match=f"{re.escape(str(run / planted))}: is a hard "
+                                              f"link .one file under \\d+ names") as e:
+            setup(tiny(run))
+        assert "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match="is a hard link"):
+            LineFile(run / planted)
+    run = tmp_path / "marked"
+    run.mkdir()
+    os.link(notes, run / RUN_MARKER)  # the claim rewrites its holder line in place
+    with pytest.raises(ConfigError, match=f"{RUN_MARKER}: is a hard link"):
+        claim_run_dir(run)
+    os.symlink(notes, tmp_path / "link.jsonl")
+    with pytest.raises(ConfigError, match="link.jsonl: is a symbolic link; not written"):
+        LineFile(tmp_path / "link.jsonl")
+    # a killed writer of this same pid (a container's pids repeat) left a link at the
+    # temporary name write_atomic fills: it is removed, never written through
+    os.link(notes, tmp_path / f".eval.json.tmp{os.getpid()}")
+    write_atomic(tmp_path / "eval.json", lambda tmp: tmp.write_text("{}"))
+    assert notes.read_text() == "the user's notes\nno line end" and notes.stat().st_nlink == 5
