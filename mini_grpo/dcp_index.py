@@ -6,7 +6,8 @@ checked as DCP writes them, and non-tensor items with weights_only=True.
 
     safe_reader(path)          DCP's FileSystemReader, reading `.metadata` by the allowlist
     safe_planner()             DCP's DefaultLoadPlanner, byte items by torch.load(weights_only)
-    check_shards(path)         every byte range the index names is in its files
+    check_shards(path)         every shard the index names is a plain file of the folder
+                               (no link), holding every byte range named in it
     sharded_shapes(path)       {weight: shape} from the index alone
 
 fsdp.read_shards loads through the first two; checkpoint.py and policy.py check with the last.
@@ -14,31 +15,57 @@ fsdp.read_shards loads through the first two; checkpoint.py and policy.py check 
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
+import os
 import pickle
+import stat
 from pathlib import Path
 
 import torch
 
 
 def check_shards(path) -> None:
-    """Every byte range the metadata of sharded checkpoint `path` names is in its files: a
-    deleted or truncated shard is a ValueError naming it (DCP would trace back mid-load)."""
-    storage = safe_reader(path).read_metadata().storage_data
+    """Every shard the metadata of sharded checkpoint `path` names is a plain file of its
+    folder, holding every byte range named in it (read_metadata checks them, as every read
+    of the index does): a deleted, truncated or linked shard is a ValueError naming it (DCP
+    would trace back mid-load, or read a file elsewhere)."""
+    safe_reader(path).read_metadata()
+
+
+def _check_files(meta, folder: Path) -> None:
+    """The shards index `meta` names, in checkpoint folder `folder`: each a plain file there
+    (no symbolic link, none above it inside the folder: its resolved path within the
+    folder's), long enough for every byte range in it."""
     ends: dict[str, int] = {}
-    for info in (storage or {}).values():
+    for info in (meta.storage_data or {}).values():
         name = str(info.relative_path)
         ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    inside = Path(os.path.realpath(folder))
     for name, end in sorted(ends.items()):
-        shard = Path(path) / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
+        shard = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts \
+                or not Path(os.path.realpath(shard)).is_relative_to(inside):
             raise ValueError(f"shard {name!r} lies outside the checkpoint")
-        if not shard.is_file():
-            raise ValueError(f"shard {name} is missing")
-        if shard.stat().st_size < end:
-            raise ValueError(f"shard {name} is cut short ({shard.stat().st_size} of {end} "
-                             f"bytes)")
+        try:
+            st = os.lstat(shard)
+        except FileNotFoundError:
+            raise ValueError(f"shard {name} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a plain file"
+            raise ValueError(f"shard {name} is {what}, not a file DCP wrote")
+        if st.st_size < end:
+            raise ValueError(f"shard {name} is cut short ({st.st_size} of {end} bytes)")
+
+
+def refusal(e: BaseException) -> str:
+    """One line for an error torch raised reading a shard: for what weights_only refuses,
+    not torch's advice to load it with weights_only=False (which runs any code it holds)."""
+    text = str(e).strip()
+    if "weights_only" in text:
+        return "a shard holds more than tensors and plain values, which are never unpickled"
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def sharded_shapes(path) -> dict[str, torch.Size]:
@@ -73,6 +100,17 @@ class _IndexUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _no_link(path, flags: int) -> int:
+    """os.open for open(opener=): a symbolic link as the index is refused (ELOOP)."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{Path(path).name} is a symbolic link, not the index DCP "
+                             f"wrote") from None
+        raise
+
+
 def safe_reader(path):
     """DCP's FileSystemReader for directory `path`, reading `.metadata` by the allowlist."""
     return _safe_reader_class()(str(path))
@@ -86,11 +124,13 @@ def _safe_reader_class():
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs) -> Metadata:
             rank = kwargs.get("rank")
-            path = Path(str(self.path)) / (".metadata" if rank is None else f"__{rank}.metadata")
-            if path.stat().st_size > MAX_DCP_METADATA:
-                raise ValueError(f"{path.name} is {path.stat().st_size} bytes, beyond the "
-                                 f"{MAX_DCP_METADATA} of any DCP index")
-            with open(path, "rb") as f:
+            folder = Path(str(self.path))
+            path = folder / (".metadata" if rank is None else f"__{rank}.metadata")
+            with open(path, "rb", opener=_no_link) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_DCP_METADATA:
+                    raise ValueError(f"{path.name} is {size} bytes, beyond the "
+                                     f"{MAX_DCP_METADATA} of any DCP index")
                 meta = _IndexUnpickler(f).load()
             if not isinstance(meta, Metadata):
                 raise ValueError(f"{path.name} holds a {type(meta).__name__}, not DCP's index")
@@ -100,6 +140,7 @@ def _safe_reader_class():
                 raise ValueError(f"{path.name}: item {coded[0]} is stored through a transform "
                                  f"(compression), which mini-grpo never writes")
             _check_entries(meta, path.name)
+            _check_files(meta, folder)
             if getattr(meta, "storage_meta", None) is None:  # as FileSystemReader does
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id

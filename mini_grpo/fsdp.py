@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed as D
-from .dcp_index import safe_planner, safe_reader
+from .dcp_index import refusal, safe_planner, safe_reader
 
 
 def is_sharded(model) -> bool:
@@ -298,8 +298,8 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
         dcp.load(state, checkpoint_id=str(path), storage_reader=safe_reader(path),
                  planner=safe_planner())
     except dcp.api.CheckpointException as e:  # {rank: (error, trace)}: the first, one line
-        why = [str(exc).strip() or type(exc).__name__ for exc, _ in e.failures.values()]
-        raise ValueError(why[0].splitlines()[0] if why else "DCP cannot load it") from None
+        why = [refusal(exc) for exc, _ in e.failures.values()]
+        raise ValueError(why[0] if why else "DCP cannot load it") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
     if opt is not None:
         set_optimizer_state_dict(model, opt, state["optim"])

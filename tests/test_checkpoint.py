@@ -425,6 +425,40 @@ def test_a_pickle_planted_in_a_shards_byte_item_is_refused_never_run(tmp_path):
     assert "\n" not in str(e.value) and not marker.exists()
 
 
+def test_a_shard_is_a_plain_file_of_its_checkpoint_and_refused_in_one_line(tmp_path):
+    """A `.distcp` shard (or the index) that is a symbolic link, to a file outside the
+    checkpoint or inside it, is refused before anything is read (the shard outside was read,
+    exit 0); a shard of bytes torch will not load is one line without torch's advice to load
+    it with weights_only=False (which runs any code it holds)."""
+    from mini_grpo import fsdp
+    from mini_grpo.checkpoint import load_weights
+
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "step_0000003.dcp"
+    fsdp.write_shards(model, None, path)
+    torch.save({"kind": "grpo", "step": 3, "format": C.FORMAT, "version": C.VERSION},
+               path / "meta.pt")
+    shard = next(path.glob("*.distcp"))
+    data = shard.read_bytes()
+    for name, target, why in [(shard.name, tmp_path / "outside.bin", "lies outside"),
+                              (shard.name, path / "copy.bin", "is a symbolic link"),
+                              (".metadata", tmp_path / "index", ".metadata is a symbolic link")]:
+        shutil.copy(path / name, target)
+        (path / name).unlink()
+        os.symlink(target, path / name)
+        with pytest.raises(CheckpointError, match=why) as e:
+            load_checkpoint(path)
+        assert "\n" not in str(e.value)
+        (path / name).unlink()
+        shutil.move(target, path / name)
+    shard.write_bytes(bytes(range(256)) * (len(data) // 256) + data[:len(data) % 256])
+    state = load_checkpoint(path)  # placed and sized as the index says: read later
+    with pytest.raises(CheckpointError, match="a shard holds more than tensors and plain "
+                                              "values, which are never unpickled") as e:
+        load_weights(state, torch.nn.Linear(4, 4))
+    assert "\n" not in str(e.value) and "weights_only" not in str(e.value)
+
+
 def test_a_sharded_save_on_a_full_disk_is_one_line_and_leaves_no_directory(tmp_path,
                                                                           monkeypatch):
     sharded(tmp_path, 2)
