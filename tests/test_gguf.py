@@ -232,7 +232,7 @@ def test_vllm_serve_takes_a_gguf_files_shapes(tmp_path):
     metadata, and matches what the trainer checks a server against (its policy's
     architecture; a GGUF file's floats are float32's)."""
     from mini_grpo.engines.client import _same, architecture
-    from mini_grpo.engines.server import served_model
+    from mini_grpo.engines.server import served_model, served_weights
     from mini_grpo.engines.vllm import engine_config
 
     lm, file = exported(tmp_path, "qwen2")
@@ -241,6 +241,10 @@ def test_vllm_serve_takes_a_gguf_files_shapes(tmp_path):
     # the directory leaves head_dim out, the GGUF file states it: the same model either way
     assert _same(served, policy) and _same(served, hf) and served["head_dim"] == 16, \
         (served, policy, hf)
+    # the weights it takes (names, shapes) are those the trainer of the directory sends
+    sent = served_weights(load_hf_model(lm), torch.bfloat16)
+    assert served_weights(served_model(str(file)), torch.bfloat16) == sent
+    assert served_weights(served_model(str(lm)), torch.bfloat16) == sent
     (tmp_path / "notes.gguf").write_text("my notes")
     with pytest.raises(CheckpointError, match="notes.gguf"):
         served_model(str(tmp_path / "notes.gguf"))

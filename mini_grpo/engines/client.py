@@ -8,6 +8,10 @@ from a thread while it broadcasts. Under fsdp every rank gathers each weight as 
 (a collective); under ddp only rank 0 reads its replica. The other ranks wait at a barrier,
 so no rank samples from the old weights.
 
+Every request carries vllm-serve's shared secret, $MINI_GRPO_VLLM_TOKEN, where it is set
+(protocol.server_token): read once, here, never written to config.yaml or a checkpoint, as a
+config field would be.
+
 The server's model is compared with the policy at start (the architecture its config.json
 gives: sizes, rope, norms; and max_model_len against block_size); an
 unreachable server is a ConfigError then, and one that fails or dies mid-run an EngineError
@@ -43,6 +47,7 @@ from .protocol import (
     engine_config,
     row_seeds,
     sampling_options,
+    server_token,
     to_rollout,
     turns_rollout,
 )
@@ -88,6 +93,9 @@ class ServerEngine:
         check_servable(tok)
         self.tools = tools
         self.url, self.timeout = cfg.vllm_server_url.rstrip("/"), cfg.vllm_server_timeout
+        token = server_token()
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {token}"} if token else {})}
         self.tok, self.device, self.rank = tok, device, rank
         self.group, self.weights = None, WeightsSeen()
         try:
@@ -147,7 +155,7 @@ class ServerEngine:
     def _request(self, method: str, path: str, body: dict | None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers=self.headers)
         deadline = time.monotonic() + self.timeout
         try:
             with _OPENER.open(req, timeout=self.timeout) as resp:
@@ -238,7 +246,8 @@ class ServerEngine:
             listener = socket.create_server((host, 0))  # there alone, not every interface
             port = listener.getsockname()[1]
             device = self.device if self.nccl else torch.device("cpu")
-            try:
+            try:  # a group a trainer before this one left (a run resumed) is closed first
+                self._call("POST", "/close_weights", {})
                 self._call("POST", "/init_weights", {"host": host, "port": port,
                                                      "device": device.type})
                 self.group = D.PairGroup(host, port, 0, 2, device, self.timeout, listener)

@@ -1,10 +1,13 @@
 """What the vLLM engines share, in-process (vllm.py) and over HTTP (client.py, server.py):
 the model they can serve (check_servable, engine_config), our Sampling as vLLM's keywords, a
 seed per row, vLLM's request loop (complete), multi-turn rollouts as rounds of requests
-(complete_turns) and its token ids and log-probs as a Rollout. Nothing here imports vLLM, so
-the client needs none."""
+(complete_turns) and its token ids and log-probs as a Rollout, and vllm-serve's shared secret
+(server_token). Nothing here imports vLLM, so the client needs none."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 
@@ -12,6 +15,19 @@ from ..fields import ConfigError
 from ..models.hf import export_config
 from ..tokenizer import HFTokenizer
 from .base import Rollout, Sampling, pad_left
+
+TOKEN_ENV = "MINI_GRPO_VLLM_TOKEN"  # vllm-serve's shared secret, the server's and its clients'
+
+
+def server_token(given: str = "") -> str:
+    """vllm-serve's shared secret: `given` (its --token), else $MINI_GRPO_VLLM_TOKEN, else ""
+    (none). Visible ASCII, so that it travels in a header as it is: a ConfigError otherwise,
+    which never shows it."""
+    token = given or os.environ.get(TOKEN_ENV, "")
+    if token and not re.fullmatch(r"[!-~]+", token):
+        raise ConfigError(f"{TOKEN_ENV} (or vllm-serve's --token): must be printable ASCII "
+                          f"without spaces")
+    return token
 
 
 def check_servable(tok) -> None:

@@ -4,7 +4,7 @@ engines/client.py).
 
     mini-grpo vllm-serve --model DIR|FILE.gguf [--host 127.0.0.1] [--port 8000]
                          [--dtype auto] [--max_model_len N] [--gpu_memory_utilization 0.9]
-                         [--kv_cache_gib 0] [--tensor_parallel_size 1]
+                         [--kv_cache_gib 0] [--tensor_parallel_size 1] [--token SECRET]
 
 DIR gives the model's config.json only (a GGUF file, its metadata): the engine starts with
 dummy weights and serves the trainer's, which the trainer pushes before its first rollout and
@@ -17,17 +17,25 @@ time: the engine is not thread-safe, and the requests of several ranks queue):
                           -> {"token_ids": [[..]], "logprobs": [[..]]}
     POST /init_weights    {"host", "port"}: join the trainer's pair group (distributed.PairGroup,
                           rank 1 of 2: gloo, or NCCL when both ends are on GPUs); returns at
-                          once, the join completes when the trainer joins
+                          once, the join completes when the trainer joins. Refused while a
+                          group is live: the trainer's client closes it first
     POST /update_weights  {"tensors": [[name, shape, dtype], ..]}: each received by broadcast
-                          from the trainer, in that order, into reload_weights -> {"seconds"}
+                          from the trainer, in that order, into reload_weights -> {"seconds"};
+                          every name, shape and dtype the served model's own
     POST /close_weights   leaves the pair group
 
-A bad request is answered 400 with {"error": one line}, an endpoint's failure 500; the
-server goes on. A request whose bytes stop coming for READ_TIMEOUT_S is dropped.
+With a token (--token, or $MINI_GRPO_VLLM_TOKEN; required unless --host is a loopback
+address) every request carries `Authorization: Bearer TOKEN`, or is answered 401. A bad
+request is answered 400 with {"error": one line}, an endpoint's failure 500; the server goes
+on. A request whose bytes (headers and body) have not all come within READ_TIMEOUT_S is
+dropped.
 """
 
 from __future__ import annotations
 
+import hmac
+import io
+import ipaddress
 import json
 import os
 import shutil
@@ -43,16 +51,16 @@ from .. import distributed as D
 from ..checkpoint import CheckpointError
 from ..fields import ArgParser, ConfigError
 from ..jsonio import check_tree
-from ..models.hf import hf_spec, read_config
-from .protocol import complete, engine_config
+from ..models.hf import hf_spec, hf_tensors, read_config
+from .protocol import TOKEN_ENV, complete, engine_config, server_token
 from .vllm import _summary, build_llm, engine_dtype, import_vllm, reload, shutdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BODY = 1 << 30  # a generate request of 1 GiB of JSON is more than any step sends
-MAX_NUMEL = 1 << 36  # per tensor
-# a request's bytes arrive within this, or its connection is dropped: the server answers one
-# request at a time, so a peer that stalls mid-body would hold it for every rank
+# a request's bytes arrive within this, all of them, or its connection is dropped: the server
+# answers one request at a time, so a peer that stalls or trickles would hold it for every rank
 READ_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 60.0  # /update_weights waits this long for the pair group /init_weights began
 
 
 class BadRequest(ValueError):
@@ -61,12 +69,13 @@ class BadRequest(ValueError):
 
 class Server:
     def __init__(self, args):
+        model = served_model(args.model)  # a bad one is refused before vLLM's import
         vllm = import_vllm()
         self.SamplingParams = vllm.SamplingParams
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = served_model(args.model)
         self.dtype = engine_dtype(args.dtype, self.device)
         self.config = engine_config(model, self.dtype)
+        self.weights = served_weights(model, self.dtype)
         self.dir = Path(tempfile.mkdtemp(prefix="mini_grpo_vllm_serve_"))
         (self.dir / "config.json").write_text(json.dumps(self.config))
         self.max_len = args.max_model_len or model.cfg.block_size
@@ -116,36 +125,50 @@ class Server:
             raise BadRequest("init_weights: needs host (a string) and port (1..65535)")
         if body.get("device", "cpu") not in ("cpu", "cuda"):
             raise BadRequest("init_weights: device must be \"cpu\" or \"cuda\"")
-        self.close_weights(None)  # checked first: a bad request leaves the live group be
+        if self.group is not None or self.joining is not None:  # a request must not end it
+            raise BadRequest("init_weights: a weight group is live (POST /close_weights first)")
         device = self.device if body.get("device") == "cuda" == self.device.type else \
             torch.device("cpu")
-
-        def join():
-            self.group = D.PairGroup(host, port, 1, 2, device)
-        self.joining = threading.Thread(target=join, daemon=True)
-        self.joining.start()
+        joined: dict = {}  # the thread's group, for update_weights: a dropped join stays out
+        thread = threading.Thread(target=lambda: joined.update(
+            group=D.PairGroup(host, port, 1, 2, device)), daemon=True)
+        thread.start()
+        self.joining = thread, joined
         return {}
 
     def update_weights(self, body) -> dict:
         specs = body.get("tensors")
         if not isinstance(specs, list) or not specs:
             raise BadRequest("update_weights: tensors must be a non-empty list")
+        names = []  # each checked against the served model before anything is allocated
         for spec in specs:
-            if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-                    and isinstance(spec[1], list) and all(type(n) is int and n >= 0
-                                                          for n in spec[1])
-                    and spec[2] in DTYPES and _numel(spec[1]) <= MAX_NUMEL):
-                raise BadRequest(f"update_weights: bad tensor spec {str(spec)[:200]}")
+            name = spec[0] if isinstance(spec, list) and len(spec) == 3 and \
+                isinstance(spec[0], str) else None
+            if name not in self.weights:
+                raise BadRequest(f"update_weights: {str(spec)[:200]}: not a weight of the "
+                                 f"served model")
+            if spec[1:] != self.weights[name]:
+                raise BadRequest(f"update_weights: {name}: shape and dtype "
+                                 f"{str(spec[1:])[:200]}, the served model's "
+                                 f"{self.weights[name]}")
+            names.append(name)
+        if len(set(names)) < len(names):
+            raise BadRequest("update_weights: a weight is sent twice")
         if self.joining is not None:
-            self.joining.join()
-            self.joining = None
+            thread, joined = self.joining
+            thread.join(JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                raise BadRequest(f"update_weights: the trainer has not joined the pair group "
+                                 f"in {JOIN_TIMEOUT_S:g} s")
+            self.group, self.joining = joined.get("group"), None
         if self.group is None:
             raise BadRequest("update_weights: no pair group (POST /init_weights first)")
         t0 = time.perf_counter()
         device = self.group.device
 
         def received():
-            for name, shape, dtype in specs:
+            for name in names:
+                shape, dtype = self.weights[name]
                 t = torch.empty(shape, dtype=DTYPES[dtype], device=device)
                 yield name, self.group.broadcast(t, src=0).to(self.dtype)
         # one process: each weight loaded as it arrives; tensor parallel: the engine's workers
@@ -154,9 +177,7 @@ class Server:
         return {"seconds": time.perf_counter() - t0}
 
     def close_weights(self, _body) -> dict:
-        if self.joining is not None:
-            self.joining.join(timeout=1)
-        if self.group is not None:
+        if self.group is not None:  # a join still under way is dropped, its group unused
             self.group.close()
         self.group, self.joining = None, None
         return {}
@@ -194,11 +215,30 @@ def _line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def served_weights(model, dtype: torch.dtype) -> dict:
+    """{Hugging Face name: [shape, dtype]} of each weight the trainer sends (client._push):
+    the served model's own, in the engine's dtype, the LM head too."""
+    name = str(dtype).removeprefix("torch.")
+    return {n: [list(t.shape), name] for n, t in
+            hf_tensors(model, model.state_dict().items(), dtype, head=True)}
+
+
+class _Deadline(io.RawIOBase):
+    """A connection's bytes, all of them by one deadline: a socket's timeout bounds each
+    read alone, and a peer that sends a byte every second never meets it."""
+
+    def __init__(self, sock, seconds: float):
+        self.sock, self.end = sock, time.monotonic() + seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not come in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
 
 
 def served_model(path: str):
@@ -219,16 +259,28 @@ def served_model(path: str):
     return model
 
 
-def handler(server: Server, lock: threading.Lock):
+def handler(server: Server, lock: threading.Lock, token: str = ""):
+    """The HTTP handler of `server`'s endpoints, one at a time under `lock`; with `token`,
+    every request must carry it."""
+    expected = f"Bearer {token}".encode()
     routes = {("GET", "/health"): server.health, ("POST", "/generate"): server.generate,
               ("POST", "/init_weights"): server.init_weights,
               ("POST", "/update_weights"): server.update_weights,
               ("POST", "/close_weights"): server.close_weights}
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = READ_TIMEOUT_S  # the connection's socket: a stalled peer is dropped
+        timeout = READ_TIMEOUT_S  # a reply's writes: a peer that stops reading is dropped
+
+        def setup(self):
+            super().setup()
+            self.rfile.close()  # the socket's own reader: each read bounded alone
+            self.rfile = io.BufferedReader(_Deadline(self.connection, READ_TIMEOUT_S))
 
         def _serve(self, method: str):
+            given = str(self.headers.get("Authorization", "")).encode("latin-1")
+            if token and not hmac.compare_digest(given, expected):
+                return self._reply(401, {"error": f"no valid token (Authorization: Bearer, "
+                                                  f"as vllm-serve's {TOKEN_ENV})"})
             fn = routes.get((method, self.path))
             if fn is None:
                 return self._reply(404, {"error": f"no {method} {self.path}"})
@@ -239,6 +291,7 @@ def handler(server: Server, lock: threading.Lock):
                     if not 0 <= n <= MAX_BODY:
                         raise BadRequest(f"Content-Length {n}: must be 0..{MAX_BODY}")
                     body = _json(self.rfile.read(n)) if n else {}
+                self.connection.settimeout(READ_TIMEOUT_S)  # the reply's own bound
             except TimeoutError:  # the body did not come: no one is left to answer
                 self.close_connection = True
                 return
@@ -290,11 +343,16 @@ def parse_args(argv: list[str]):
     ap.add_argument("--tensor_parallel_size", type=int, default=1,
                     help="devices (on a CPU: processes) the engine is split over")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--token", default="",
+                    help=f"the secret every request must carry (default: ${TOKEN_ENV}, "
+                         f"better: a flag shows on the process list); required unless --host "
+                         f"is a loopback address")
     return ap.parse_args(argv)
 
 
 def serve(argv: list[str]) -> int:
     args = parse_args(argv)
+    token = server_token(args.token)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 0..65535, got {args.port}")
     try:  # listen first: a port in use or a bad host fails before the engine's minutes
@@ -302,14 +360,19 @@ def serve(argv: list[str]) -> int:
     except (OSError, OverflowError, UnicodeError) as e:
         raise ConfigError(f"--host/--port {args.host}:{args.port}: cannot listen there "
                           f"({getattr(e, 'strerror', None) or e})") from None
+    if not token and not ipaddress.ip_address(http.server_address[0]).is_loopback:
+        http.server_close()  # anyone who reaches it could push weights: never without one
+        raise ConfigError(f"--host {args.host}: serving beyond this machine needs a token: "
+                          f"set {TOKEN_ENV} (or --token), the trainer's too")
     try:
         server = Server(args)
     except BaseException:
         http.server_close()
         raise
-    http.RequestHandlerClass = handler(server, threading.Lock())
+    http.RequestHandlerClass = handler(server, threading.Lock(), token)
     print(f"[mini-grpo] vllm-serve: {args.model} ({server.dtype}, {server.device.type}) on "
-          f"http://{args.host}:{http.server_port}", flush=True)
+          f"http://{args.host}:{http.server_port}{' (token required)' if token else ''}",
+          flush=True)
     try:
         http.serve_forever()
     except KeyboardInterrupt:
