@@ -25,6 +25,11 @@ _FALSE = {"0", "false", "no", "off"}
 # lists and mappings nested deeper than this in one value are refused: a config has no use for
 # them, and code that walks values recursively (repr, asdict, YAML's own) would overflow
 MAX_DEPTH = 100
+# a YAML text is bounded before it is parsed (PyYAML takes some 40 us and 2 KB a node): a config
+# file's bytes, and the nodes of any YAML text (values, lists, mappings; an alias counted as
+# what it stands for). Ours have some 50 nodes in 2 KB
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 10_000
 
 
 class ConfigError(ValueError):
@@ -88,13 +93,83 @@ def _check_depth(key: str, value: Any, where: str = "") -> None:
 def _parse_yaml_text(key: str, text: str, where: str = "") -> Any:
     """A command-line or environment value read as YAML, with every failure a ConfigError."""
     try:
-        return yaml.safe_load(text)
+        return _construct(_compose(text, f"{where}{key}"))
+    except ConfigError:
+        raise
     except yaml.YAMLError:
         raise ConfigError(f"{where}{key}: cannot parse {show(text)} as YAML") from None
     except RecursionError:
         raise ConfigError(f"{where}{key}: nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # a constructor's: an int over the int-string limit, a bad date
         raise ConfigError(f"{where}{key}: {unreadable(e)}") from None
+
+
+_PARSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where built: it counts fast
+
+
+def _compose(text: str, name: str) -> yaml.Node | None:
+    """The node graph of YAML `text` (None: empty), bounded: a ConfigError naming `name` past
+    MAX_YAML_NODES nodes, counted as the text is parsed and then with each alias as what it
+    stands for (a few lines of nested aliases are a billion values), or nested past
+    MAX_DEPTH, before any is built. YAML's own errors go on as they are."""
+    try:
+        _count_nodes(text, _PARSER, name)
+    except yaml.YAMLError:  # libyaml's verdict: PyYAML's own parser counts, as it will read
+        try:
+            _count_nodes(text, yaml.SafeLoader, name)
+        except yaml.YAMLError:
+            pass  # malformed within the bounds: the composer says where, in its own words
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is not None and _expanded(node) > MAX_YAML_NODES:
+        _too_many(name)
+    return node
+
+
+def _count_nodes(text: str, loader, name: str) -> None:
+    """Parses YAML `text` with `loader`'s parser as far as the bounds (_compose) allow. The
+    depth stops it early too: PyYAML's scanner takes time in the depth for every token (a
+    list 5,000 deep took 8 s to parse). Twice MAX_DEPTH: a value less deep reaches coerce,
+    whose error names its key."""
+    nodes = depth = 0
+    for event in yaml.parse(text, Loader=loader):
+        nodes += isinstance(event, yaml.NodeEvent)
+        depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(
+            event, yaml.CollectionEndEvent)
+        if nodes > MAX_YAML_NODES:
+            _too_many(name)
+        if depth > 2 * MAX_DEPTH:
+            raise ConfigError(f"{name}: nested deeper than {MAX_DEPTH} levels")
+
+
+def _too_many(name: str):
+    raise ConfigError(f"{name}: more than {MAX_YAML_NODES} YAML nodes (values, lists and "
+                      f"mappings, an alias counted as what it stands for); a config has no "
+                      f"use for so many")
+
+
+def _expanded(root: yaml.Node) -> int:
+    """The nodes of `root` with every alias counted as the node it names (the values a walk
+    of what YAML builds meets), stopping past MAX_YAML_NODES; a node that contains itself
+    counts once there (_check_depth refuses it as it is checked)."""
+    memo: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [] if isinstance(node, yaml.ScalarNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) \
+            else node.value
+        if done:
+            memo[id(node)] = min(1 + sum(memo.get(id(k), 0) for k in kids), MAX_YAML_NODES + 1)
+        elif id(node) not in memo:
+            memo[id(node)] = 0  # met again inside itself: counted once
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in memo)
+    return memo[id(root)]
+
+
+def _construct(node: yaml.Node | None) -> Any:
+    """The values of a composed YAML document, built as yaml.safe_load builds them."""
+    return None if node is None else yaml.SafeLoader("").construct_document(node)
 
 
 def unreadable(e: ValueError) -> str:
@@ -196,16 +271,25 @@ def _type_name(tp: Any) -> str:
 
 
 def read_yaml_mapping(path: Path) -> dict[str, tuple[Any, int]]:
-    """Returns {key: (value, line)} from a YAML mapping, with errors that name file and line."""
+    """Returns {key: (value, line)} from a YAML mapping, with errors that name file and line.
+    Bounded before it is parsed: MAX_YAML_BYTES read at most, MAX_YAML_NODES (_compose)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not valid UTF-8") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_YAML_BYTES} bytes (1 MiB), the most a "
+                          f"config file may be; not parsed")
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid UTF-8") from None
+    try:
+        node = _compose(text, str(path))
+        data = _construct(node)
+    except ConfigError:
+        raise
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = f":{mark.line + 1}" if mark else ""

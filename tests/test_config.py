@@ -494,3 +494,36 @@ def test_a_key_set_twice_an_empty_config_and_help(tmp_path, capsys):
         load_config(None, {"bogus": "1"}, env={})
     capsys.readouterr()
     assert main(["--help"]) == 0 and "mini-grpo train" in capsys.readouterr().out
+
+
+def test_a_config_is_bounded_before_it_is_parsed(tmp_path):
+    """A config file's bytes (1 MiB) and any YAML text's nodes (10,000, an alias counted as
+    what it stands for) are bounded before PyYAML builds anything: a 12 MB file took 74 s and
+    2 GB, a list of 1M items 42 s; each refused in one line naming the file (or the key) and
+    the bound, within a second or two."""
+    import time
+
+    from mini_grpo.fields import MAX_YAML_BYTES, MAX_YAML_NODES
+
+    laughs = ["tools:", "  - &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [
+        f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 9)]
+    cases = {"big.yaml": ("# " + "x" * MAX_YAML_BYTES + "\n", "larger than 1048576 bytes "
+                          "(1 MiB), the most a config file may be"),
+             "list.yaml": ("tools: [" + "1, " * 300_000 + "1]\n", "more than 10000 YAML nodes"),
+             "keys.yaml": ("task_args:\n" + "".join(f"  k{i}: 1\n" for i in range(20_000)),
+                           "more than 10000 YAML nodes"),
+             "laughs.yaml": ("\n".join(laughs) + "\n", "more than 10000 YAML nodes"),
+             "deep.yaml": ("a: " + "[" * 5000 + "]" * 5000 + "\n",
+                           "nested deeper than 100 levels")}
+    for name, (text, needle) in cases.items():
+        (tmp_path / name).write_text(text)
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError) as e:
+            load_config(str(tmp_path / name), {}, env={})
+        assert str(e.value).startswith(f"{tmp_path / name}: {needle}"), str(e.value)[:300]
+        assert time.perf_counter() - t0 < 5, name
+    with pytest.raises(ConfigError, match=f"--tools: more than {MAX_YAML_NODES} YAML nodes"):
+        load_config(None, {"tools": "[" + "1," * MAX_YAML_NODES + "1]"}, env={})
+    ok = tmp_path / "ok.yaml"  # just under the bound: read
+    ok.write_text("report_to: [" + ", ".join(["tensorboard"] * (MAX_YAML_NODES - 3)) + "]\n")
+    assert load_config(str(ok), {}, env={}).report_to[0] == "tensorboard"

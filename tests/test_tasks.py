@@ -266,6 +266,30 @@ def test_a_jsonl_integer_over_pythons_digit_limit_names_file_and_line(tmp_path):
         load_jsonl(path)
 
 
+def test_a_jsonl_line_past_16_mib_is_refused_unread(tmp_path):
+    """A line is read in bounded chunks: one longer than MAX_LINE is refused naming the file
+    and line once that much is read (a 100 MB line was read whole, 2.7 GB); the memory it
+    takes stays near the bound, not the line's length."""
+    import tracemalloc
+
+    from mini_grpo.tasks.jsonl import MAX_LINE
+
+    path = tmp_path / "long.jsonl"
+    row = json.dumps({"prompt": "a", "target": "b"}).encode() + b"\n"
+    with open(path, "wb") as f:
+        f.write(row + b'{"prompt": "' + b"a" * (3 * MAX_LINE) + b'", "target": "b"}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError, match=r"long\.jsonl:2: a line longer than 16777216 "
+                                              r"bytes \(16 MiB\), the most a row may be"):
+            load_jsonl(path)
+        assert tracemalloc.get_traced_memory()[1] < 2.5 * MAX_LINE
+    finally:
+        tracemalloc.stop()
+    path.write_bytes(row + b'{"prompt": "' + b"a" * (MAX_LINE - 30) + b'", "target": "b"}\n')
+    assert len(load_jsonl(path)) == 2  # at the bound: read
+
+
 @pytest.mark.parametrize("key, value, needle", [
     ("num_train", "1000000000000", "task_args.num_train: must be in 1..10,000,000"),
     ("max_plies", "1000000000", "task_args.max_plies: must be <= 1000"),

@@ -11,7 +11,8 @@ one for each row of a run with tools or an environment; SFT trains on it in such
 messages after the prompt, the model's (assistant) first and last, checked like `messages`.
 Blank lines are skipped; anything else that is not such an object is an error naming the file
 and line, so a typo never silently drops training data. The one exception is a last line with
-no newline that does not parse: a write cut short by a kill, skipped with a warning.
+no newline that does not parse: a write cut short by a kill, skipped with a warning. A line
+is read in bounded chunks: one longer than MAX_LINE (16 MiB) is refused before it is read whole.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ DEFAULT_REWARDS = [{"name": "levenshtein", "weight": 0.5}, {"name": "exact_match
 # (max_tool_calls' 64 rounds of a turn and 17 answers fit), and a value's length
 ROLES = ("assistant", *ANSWER_ROLES)
 MAX_MESSAGES = 2048
+# a line's bytes, its line end aside: a longer one is refused as soon as that much is read (a
+# 100 MB line was read whole and parsed, 2.7 GB)
+MAX_LINE = 1 << 24
 
 
 @dataclass
@@ -58,8 +62,11 @@ def load_jsonl(path, tokenizer=None,
         raise ConfigError(f"{path}: cannot read data file ({e.strerror})") from None
     rows: list[Example] = []
     with f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
             where = f"{path}:{lineno}"
+            if len(raw) > MAX_LINE and not raw.endswith(b"\n"):  # read no further
+                raise ConfigError(f"{where}: a line longer than {MAX_LINE} bytes (16 MiB), the "
+                                  f"most a row may be; not read")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
