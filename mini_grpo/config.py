@@ -27,7 +27,7 @@ import yaml
 
 from .config_layers import LEGACY_TASK_ARGS, Layers, resolve_config_path
 from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
-from .options import check_ranges, env_vars, opt
+from .options import check_ranges, env_vars, expand_paths, opt
 from .task_registry import MAX_GENERATED, resolve_task_args
 
 TRACKERS = ("tensorboard", "wandb")  # report_to: where metrics go beside metrics.jsonl
@@ -41,16 +41,16 @@ class GRPOConfig:
 
     # ---- run ----
     # run directory: config.yaml, metrics.jsonl, tb/, checkpoints/
-    out_dir: str = opt("runs/default", "run", env="OUT_DIR")
+    out_dir: str = opt("runs/default", "run", env="OUT_DIR", path=True)
     seed: int = opt(1337, "sft", f"0..{2**32 - 1}", env="SEED")  # every random draw derives from it
     device: str = opt("auto", "run")  # auto = cuda if available, else cpu
-    resume: str = opt("auto", "run")  # auto | never | path to a checkpoint
+    resume: str = opt("auto", "run", path=True)  # auto | never | path to a checkpoint
     # which stages the train job runs; rft = SFT, then RFT data from it, then SFT on that data;
     # rft_grpo = RFT from init_from's model (data, then SFT on it), then GRPO
     mode: Literal["sft_grpo", "sft", "grpo", "rft", "rft_grpo"] = opt("sft_grpo", "run resume")
     # weights (and tokenizer) that start the run, before SFT: one of our checkpoints, or a local
     # Hugging Face model directory (config.json + safetensors + tokenizer files)
-    init_from: str = opt("", "sft resume_lora")
+    init_from: str = opt("", "sft resume_lora", path=True)
 
     # ---- task and data ----
     # where prompts, targets and rewards come from: chess_fen, countdown, numeric, jsonl (tasks/)
@@ -61,7 +61,7 @@ class GRPOConfig:
     # dropped with a note.
     task_args: dict = opt({}, "sft resume")
     # JSONL of {"prompt", "target"} rows; replaces the task's own data
-    data_path: str = opt("", "sft resume")
+    data_path: str = opt("", "sft resume", path=True)
     num_eval: int = opt(512, "sft", "> 0", at_most=MAX_GENERATED)  # held out, never trained on
     # [{name: ..., weight: ...}]; None = the task's defaults
     rewards: list | None = opt(None, "rft_data grpo")
@@ -110,7 +110,7 @@ class GRPOConfig:
     # by the last part of a module's name; null = every linear layer of attention and MLP
     lora_target_modules: list | None = opt(None, "sft resume")
     # a PEFT adapter directory to continue from (on init_from's base)
-    adapter: str = opt("", "sft resume_lora")
+    adapter: str = opt("", "sft resume_lora", path=True)
 
     # ---- sampling ----
     # most tokens sampled per completion (a FEN after 12 plies is at most ~75 characters)
@@ -260,6 +260,7 @@ class GRPOConfig:
     def validate(self) -> None:
         """Range checks types cannot express (values are typed and finite: fields.coerce);
         each error opens with the field's name (load_config adds where it was set)."""
+        expand_paths(self)  # a path field's leading ~ (opt's path)
         check_ranges(self)  # each field's declared range (opt)
         rows = self.prompts_per_step * self.group_size
         if rows > MAX_GENERATED:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import re
 import typing
 from typing import Any
@@ -39,17 +40,20 @@ ROLES = {
 _INTERVAL = re.compile(r"^([(\[])\s*(\S+),\s*(\S+)\s*([)\]])$")
 
 
-def opt(default: Any, roles: str, check: str = "", env: str = "", at_most: int = 0) -> Any:
+def opt(default: Any, roles: str, check: str = "", env: str = "", at_most: int = 0,
+        path: bool = False) -> Any:
     """A config field: its `default` (a list or dict is copied per instance), its `roles`
     (space-separated names of ROLES), its range `check` ("> 0", ">= 0", an interval such as
-    "(0, 1]", or integers "0..N"), the most it may be (`at_most`, rows to generate), and the
-    environment variable that sets it (`env`)."""
+    "(0, 1]", or integers "0..N"), the most it may be (`at_most`, rows to generate), the
+    environment variable that sets it (`env`), and whether it names a file or directory
+    (`path`: a leading ~ is the user's home, expand_paths)."""
     names = roles.split()
     bad = [r for r in names if r not in ROLES]
     if not names or bad:
         raise TypeError(f"opt: roles must name some of {', '.join(ROLES)}, got {roles!r}")
     _checker(check)  # a malformed check fails when the class is defined
-    meta = {"roles": frozenset(names), "check": check, "env": env, "at_most": at_most}
+    meta = {"roles": frozenset(names), "check": check, "env": env, "at_most": at_most,
+            "path": path}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -69,6 +73,22 @@ def _checker(check: str):
         return (lambda v: (lo < v if m[1] == "(" else lo <= v)
                 and (v < hi if m[4] == ")" else v <= hi)), f"must be in {check}"
     raise TypeError(f"opt: a check is '> 0', '>= 0', an interval or 'LO..HI', got {check!r}")
+
+
+def expand_paths(cfg) -> None:
+    """Each path field's leading `~` or `~user` expanded as a shell expands it: no shell does
+    after `--out_dir=`, in quotes, in YAML or in an environment value (a run made a folder
+    named ~). A ~user of no user is a ConfigError opening with the field's name."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not (f.metadata.get("path") and value.startswith("~")):
+            continue
+        path = os.path.expanduser(value)
+        if path.startswith("~"):
+            raise ConfigError(f"{f.name}: {value!r}: no user {value[1:].split('/')[0]!r} whose "
+                              f"home ~ could name (write the path out; ./{value} for a folder "
+                              f"of that name)")
+        setattr(cfg, f.name, path)
 
 
 def check_ranges(cfg) -> None:

@@ -81,6 +81,21 @@ def test_load_refuses_non_allowlisted_pickle(tmp_path):
         load_checkpoint(path)
 
 
+def test_a_legacy_pickle_is_refused_in_our_line_alone(tmp_path):
+    """A plain (non-zip) pickle as a `.pt` file: torch warned of its pickle protocol (two
+    more lines on stderr) before our one-line error."""
+    import pickle
+    import warnings
+
+    path = tmp_path / "step_0000001.pt"
+    path.write_bytes(pickle.dumps({"model": {}, "format": C.FORMAT}, protocol=4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="cannot load checkpoint") as e:
+            load_checkpoint(path)
+    assert "\n" not in str(e.value) and [str(w.message) for w in seen] == []
+
+
 @pytest.mark.parametrize("form", ["file", "shards"])
 def test_a_file_named_like_a_checkpoint_is_not_one_without_the_format_marker(tmp_path, form):
     """A foreign {"model": {}} saved as step_0000001.pt (or a DCP directory whose meta.pt has

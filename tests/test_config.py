@@ -527,3 +527,22 @@ def test_a_config_is_bounded_before_it_is_parsed(tmp_path):
     ok = tmp_path / "ok.yaml"  # just under the bound: read
     ok.write_text("report_to: [" + ", ".join(["tensorboard"] * (MAX_YAML_NODES - 3)) + "]\n")
     assert load_config(str(ok), {}, env={}).report_to[0] == "tensorboard"
+
+
+def test_a_tilde_in_a_path_field_is_the_users_home(tmp_path, monkeypatch):
+    """`--out_dir='~'`, `out_dir: ~/runs/x` in YAML: no shell expands the ~ there, and a run
+    made a folder named `~`; the path fields expand it as a shell would, and a ~user that
+    names no user is one line."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, {"out_dir": "~", "init_from": "~/model", "data_path": "~/d.jsonl",
+                             "resume": "~/step_0000001.pt"}, env={"OUT_DIR": "~/ignored"})
+    assert (cfg.out_dir, cfg.init_from, cfg.data_path, cfg.resume) == (
+        str(tmp_path), str(tmp_path / "model"), str(tmp_path / "d.jsonl"),
+        str(tmp_path / "step_0000001.pt"))
+    (tmp_path / "c.yaml").write_text("out_dir: ~/runs/x\n")
+    assert load_config(str(tmp_path / "c.yaml"), {}, env={}).out_dir == str(
+        tmp_path / "runs" / "x")
+    assert load_config(None, {"out_dir": "./~/x"}, env={}).out_dir == "./~/x"  # as written
+    with pytest.raises(ConfigError, match=r"^command line: --out_dir: '~no-such-user-q/x': no "
+                                          r"user 'no-such-user-q' whose home ~ could name"):
+        load_config(None, {"out_dir": "~no-such-user-q/x"}, env={})

@@ -119,6 +119,15 @@ def test_load_jsonl_rows_and_metadata():
     (['{"prompt": "a", "target": "b", "completion": 5}'],
      r'bad\.jsonl:1: "completion" \(what SFT trains on in place of the target, as RFT writes '
      r"it\) must be a string, got int"),
+    # what Python's json reads and JSON has not: accepted silently before
+    (['{"prompt": "a", "target": "b", "score": NaN}'],
+     r"bad\.jsonl:1: NaN is no JSON number \(a non-finite value is not JSON\)"),
+    (['{"prompt": "a", "target": "b"}', '{"prompt": "a", "target": "b", "w": -Infinity}'],
+     r"bad\.jsonl:2: -Infinity is no JSON number"),
+    (['{"prompt": "a", "target": "b", "target": "c"}'],
+     r"bad\.jsonl:1: key 'target' is given twice in one object"),
+    (['{"prompt": "a", "target": "b", "m": [{"x": 1, "x": 1}]}'],
+     r"bad\.jsonl:1: key 'x' is given twice in one object"),
     ([], r"bad\.jsonl: no rows"),
     (['', '  '], r"bad\.jsonl: no rows"),
 ])

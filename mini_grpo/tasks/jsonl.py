@@ -10,9 +10,11 @@ reach reward plugins as is. A `conversation` field is a multi-turn demonstration
 one for each row of a run with tools or an environment; SFT trains on it in such a run): the
 messages after the prompt, the model's (assistant) first and last, checked like `messages`.
 Blank lines are skipped; anything else that is not such an object is an error naming the file
-and line, so a typo never silently drops training data. The one exception is a last line with
-no newline that does not parse: a write cut short by a kill, skipped with a warning. A line
-is read in bounded chunks: one longer than MAX_LINE (16 MiB) is refused before it is read whole.
+and line, so a typo never silently drops training data: NaN and Infinity (which Python's json
+reads, JSON has not) and a key given twice in one object (json keeps the last) included. The
+one exception is a last line with no newline that does not parse: a write cut short by a kill,
+skipped with a warning. A line is read in bounded chunks: one longer than MAX_LINE (16 MiB) is
+refused before it is read whole.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def load_jsonl(path, tokenizer=None,
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, parse_constant=_not_json, object_pairs_hook=_object)
+            except _NotJSON as e:
+                raise ConfigError(f"{where}: {e}") from None
             except RecursionError:
                 raise ConfigError(f"{where}: JSON nested too deeply") from None
             except json.JSONDecodeError as e:
@@ -125,6 +129,26 @@ def load_jsonl(path, tokenizer=None,
     if not rows:
         raise ConfigError(f"{path}: no rows (the file is empty)")
     return rows
+
+
+class _NotJSON(ValueError):
+    """What Python's json reads that JSON has not: NaN and Infinity, a key given twice."""
+
+
+def _not_json(token: str):
+    raise _NotJSON(f"{token} is no JSON number (a non-finite value is not JSON)")
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are each given once (json keeps the last silently)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _NotJSON(f"key {show(k)} is given twice in one object")
+            seen.add(k)
+    return obj
 
 
 def _messages(value, where: str) -> list[dict]:
