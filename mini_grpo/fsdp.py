@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import distributed as D
 from .dcp_index import refusal, safe_planner, safe_reader
+from .optim import check_state
 
 
 def is_sharded(model) -> bool:
@@ -204,20 +205,15 @@ def load_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sta
     """Loads an optimizer state as `opt.state_dict()` writes it for a model that is not sharded
     (keyed by parameter index: a one-process or DDP checkpoint) into `opt`, however `model` is
     sharded now: under fsdp by parameter name, every rank keeping its shards of the moments.
-    Every rank holds `state`."""
+    Every rank holds `state`, checked before any of it is loaded (optim.check_state)."""
+    check_state(opt, state)
     if not is_sharded(model):
         opt.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    if not (isinstance(state, dict) and isinstance(state.get("param_groups"), list)
-            and isinstance(state.get("state"), dict)):
-        raise ValueError("the checkpoint's optimizer state is not one torch wrote")
     names = {id(p): n for n, p in model.named_parameters()}
     saved, now = state["param_groups"], opt.param_groups
-    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in now]:
-        raise ValueError("the checkpoint's optimizer state has other parameter groups than "
-                         "this model's")
     name = {i: names[id(p)] for g, h in zip(saved, now) for i, p in zip(g["params"], h["params"])}
     full = {"state": {name[i]: v for i, v in state["state"].items()},
             "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in saved]}
@@ -294,6 +290,7 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
     )
 
     state = _sharded_state(model, opt, keep)
+    names = [list(g["params"]) for g in state["optim"]["param_groups"]] if opt else None
     try:
         dcp.load(state, checkpoint_id=str(path), storage_reader=safe_reader(path),
                  planner=safe_planner())
@@ -301,5 +298,10 @@ def read_shards(path, model: torch.nn.Module, opt: torch.optim.Optimizer | None 
         why = [refusal(exc) for exc, _ in e.failures.values()]
         raise ValueError(why[0] if why else "DCP cannot load it") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keep is None))
-    if opt is not None:
+    if opt is not None:  # its tensors are ours, filled; its groups are the file's
+        groups = state["optim"]["param_groups"]
+        if not isinstance(groups, list) or [g.get("params") if isinstance(g, dict) else g
+                                            for g in groups] != names:
+            raise ValueError("optimizer.param_groups: other parameters than this model's")
+        check_state(opt, state["optim"])
         set_optimizer_state_dict(model, opt, state["optim"])

@@ -33,6 +33,7 @@ from .plot import plot_rewards
 from .rft import first_prompts, generate_rft_data
 from .run import Run, setup, start_afresh
 from .sft import finished_stage, load_stage, sft_dir, stage_inputs, train_sft
+from .state import check_train_state
 from .tasks import load_jsonl
 from .trainer import TimeLimit, train_grpo
 
@@ -238,6 +239,7 @@ def check_resume(run: Run, state: dict, path: str) -> list[str]:
             or not isinstance(saved, dict):
         raise CheckpointError(f"{path}: a {state.get('kind', 'non-GRPO')} checkpoint cannot be "
                               f"resumed as GRPO; start from its weights with --init_from={path}")
+    check_train_state(state, path)
     if state.get("tokenizer") != run.tok.state():
         raise CheckpointError(f"{path}: its tokenizer differs from this run's")
     try:  # resolved like a user's config: older checkpoints' keys migrate, bad ones fail

@@ -56,3 +56,89 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_ratio: float =
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr
+
+
+# ---- a saved state, read as untrusted input
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter tensors
+
+
+def check_state(opt: torch.optim.Optimizer, state) -> None:
+    """An optimizer state as `opt.state_dict()` writes it (by parameter index) or as DCP reads
+    it (by name), checked against `opt` before any of it is loaded: torch checks none of it,
+    and an `exp_avg` of another shape made the fused (and the foreach) AdamW kernel read out
+    of bounds, a segfault on the next step. Every group's keys known and its values of the
+    type `opt`'s have, finite; every entry of a parameter of this model, with its step and
+    moments, each of the parameter's shape and dtype, finite. ValueError naming the entry."""
+    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
+            and isinstance(state.get("param_groups"), list)):
+        raise ValueError("optimizer: not an optimizer state torch writes (a dict of 'state' "
+                         "and 'param_groups')")
+    saved, now = state["param_groups"], opt.param_groups
+    if len(saved) != len(now) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and len(g["params"]) == len(h["params"]) for g, h in zip(saved, now)):
+        raise ValueError(f"optimizer.param_groups: other parameter groups than this model's "
+                         f"({[len(h['params']) for h in now]} parameters)")
+    params: dict = {}  # saved key -> this model's parameter, paired in order as torch does
+    for i, (g, h) in enumerate(zip(saved, now)):
+        for key, value in g.items():
+            if key != "params":
+                _check_group_value(f"optimizer.param_groups[{i}].{key}", value, h, key)
+        for k, p in zip(g["params"], h["params"]):
+            if not isinstance(k, int | str) or isinstance(k, bool) or k in params:
+                raise ValueError(f"optimizer.param_groups[{i}].params: {k!r} is not a "
+                                 f"parameter's index (or name), once")
+            params[k] = p
+    amsgrad = any(h.get("amsgrad") for h in now)
+    for k, entry in state["state"].items():
+        where = f"optimizer.state[{k!r}]"
+        if k not in params or not isinstance(entry, dict):
+            raise ValueError(f"{where}: not a dict of a parameter the groups list")
+        p, want = params[k], {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"}
+                                                                 if amsgrad else set())
+        if set(entry) != want:
+            raise ValueError(f"{where}: holds {sorted(map(str, entry))}, AdamW's are "
+                             f"{sorted(want)}")
+        step = entry["step"]
+        if isinstance(step, torch.Tensor):
+            step = step.item() if step.numel() == 1 and step.is_floating_point() else None
+        if isinstance(step, bool) or not isinstance(step, int | float) \
+                or not math.isfinite(step) or step < 0:
+            raise ValueError(f"{where}.step: must be a finite number >= 0")
+        for name in want - {"step"}:
+            t = entry[name]
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+                got = (f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"{where}.{name}: must be a {p.dtype} tensor of its "
+                                 f"parameter's shape {list(p.shape)}, got {got}")
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this shard
+            if not torch.isfinite(local).all() or (name != "exp_avg" and (local < 0).any()):
+                raise ValueError(f"{where}.{name}: holds values that are not finite"
+                                 + ("" if name == "exp_avg" else " and >= 0"))
+
+
+def _check_group_value(where: str, value, group: dict, key: str) -> None:
+    """A saved param group's value against this optimizer's value of `key`: a flag (bool, or
+    None where torch leaves it unset) stays one; a number is a finite one >= 0 (eps > 0);
+    a tuple (betas) is as long, of finite numbers in [0, 1)."""
+    if key not in group:
+        raise ValueError(f"{where}: not a key of this optimizer's groups")
+    ours = group[key]
+
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    if ours is None or isinstance(ours, bool):
+        ok = value is None or isinstance(value, bool)
+    elif isinstance(ours, tuple):
+        ok = isinstance(value, tuple | list) and len(value) == len(ours) and all(
+            number(x) and 0 <= x < 1 for x in value)
+    elif number(ours):
+        ok = number(value) and value >= 0 and (value > 0 or key != "eps")
+    else:  # a kind of value this check does not know: it must be the same
+        ok = type(value) is type(ours) and value == ours
+    if not ok:
+        raise ValueError(f"{where}: {value!r} is not a value it takes (this optimizer's: "
+                         f"{ours!r})")

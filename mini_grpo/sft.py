@@ -32,7 +32,7 @@ from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .options import keys_with
 from .precision import release_freed_memory
-from .state import TrainState
+from .state import TrainState, check_train_state
 from .trajectory import plan_micro_batches
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ def finished_stage(cfg, directory: Path, steps: int, tag: str, say=None,
     path, state = latest_checkpoint(directory, mmap=True, step=steps)
     if state is None or state.get("step") != steps:
         return None
+    check_train_state(state, str(path))
     why = [f"other {k}" for k in stage_changes(state.get("config") or {}, cfg, tag)]
     why += [f"another {k}" if k == "tokenizer" else f"other {k}" for k, v in
             (inputs or {}).items() if state.get(k) != v]

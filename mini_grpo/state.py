@@ -37,7 +37,8 @@ from .checkpoint import (
     save,
     set_rng_state,
 )
-from .guards import Guard, finite_everywhere, params_finite
+from .fields import show
+from .guards import RUNGS, Guard, finite_everywhere, params_finite
 from .optim import lr_at, make_optimizer, set_lr
 from .precision import linear_weights_cast_once
 
@@ -205,3 +206,52 @@ class TrainState:
             else:  # only rank 0 logs: another rank says it on the console
                 print(f"[mini-grpo] rank {rank} step {self.current_step}: {message}",
                       flush=True)
+
+
+# ---- a checkpoint's training state, read as untrusted input
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
+
+
+def _finite(x, low: float, high: float) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and low <= x <= high
+
+
+# each field's check (None: it may be absent) and what it must be, as the error says it
+GUARD_FIELDS = {"skipped": (_count, "an integer >= 0"),
+                "next_rung": (lambda x: _count(x) and x <= len(RUNGS),
+                              f"an integer in 0..{len(RUNGS)}"),
+                "lr_scale": (lambda x: _finite(x, 2**-1074, 1.0), "a number in (0, 1]"),
+                "amp": (lambda x: isinstance(x, bool), "true or false")}
+SCALER_FIELDS = {"scale": (lambda x: _finite(x, 2**-1074, 2**128), "a finite number > 0"),
+                 "growth_factor": (lambda x: _finite(x, 1.0, 2**16), "a number in [1, 65536]"),
+                 "backoff_factor": (lambda x: _finite(x, 2**-1074, 1.0), "a number in (0, 1]"),
+                 "growth_interval": (lambda x: _count(x) and x > 0, "an integer >= 1"),
+                 "_growth_tracker": (_count, "an integer >= 0")}
+
+
+def check_train_state(ckpt: dict, source: str) -> None:
+    """What a training checkpoint carries besides weights, configs and the optimizer's
+    tensors, checked like a config before any of it is used (a crafted step, guard or
+    scaler was a traceback, a step of -5 trained "steps -4..."): the step an integer >= 0,
+    the guard's and the loss scaler's fields of their types and ranges, metrics.jsonl's
+    size an integer, the optimizer state a dict (optim.check_state checks it against the
+    optimizer it goes into). CheckpointError naming the file and the field."""
+    def bad(field: str, what: str, value) -> CheckpointError:
+        return CheckpointError(f"{source}: its {field!r} must be {what}, got {show(value)}")
+
+    if not _count(ckpt.get("step")):
+        raise bad("step", "an integer >= 0", ckpt.get("step"))
+    if ckpt.get("logged") is not None and not _count(ckpt["logged"]):
+        raise bad("logged", "an integer >= 0 (metrics.jsonl's size) or null", ckpt["logged"])
+    if "optimizer" in ckpt and not isinstance(ckpt["optimizer"], dict):
+        raise bad("optimizer", "an optimizer state (a dict)", ckpt["optimizer"])
+    for name, fields in (("guard", GUARD_FIELDS), ("scaler", SCALER_FIELDS)):
+        entry = ckpt.get(name, {})
+        if not isinstance(entry, dict) or not set(entry) <= set(fields):
+            raise bad(name, f"a dict of {', '.join(fields)}", entry)
+        for key, value in entry.items():
+            ok, what = fields[key]
+            if not ok(value):
+                raise bad(f"{name}.{key}", what, value)
