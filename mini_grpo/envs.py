@@ -60,6 +60,16 @@ ANSWER_ROLES = ("tool", "user", "system")  # who may answer the model's turn
 MAX_CHARS = 1 << 20  # a message's value: the chat template's bound on any one value
 
 
+def clean_text(text: str) -> str:
+    """`text` as UTF-8 can encode it: a lone surrogate ("\\ud800", from a tool's output or an
+    environment's message) becomes U+FFFD, a pair of them the character they stand for."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 def check_messages(messages, where: str, roles: tuple[str, ...] | None = None) -> list[dict]:
     """`messages` as an environment must give them: a list of dicts of strings (at most
     MAX_CHARS each) with a `role` (among `roles`, where given) and a `content`, the other keys

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .engines import Sampling
+from .engines.turns import COUNTS
 from .precision import release_freed_memory
 from .rewards.text import exact_match
 from .scoring import score
@@ -74,9 +75,10 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
             sub = _summary(res.total[sel], {k: v[sel] for k, v in columns.items()}, lengths[sel])
             out.update({f"{name}/{k}": v for k, v in sub.items() if k in keep})
     if counts:  # per row: tool calls, rounds; shares of calls that failed, of rows capped
-        calls, failed, rounds, capped = torch.cat(counts).double().mean(0).tolist()
-        out.update({"tools/calls": calls, "tools/rounds": rounds, "tools/capped_frac": capped,
-                    "tools/failed_frac": failed / max(calls, 1e-12)})
+        c = dict(zip(COUNTS, torch.cat(counts).double().mean(0).tolist()))
+        out.update({"tools/calls": c["calls"], "tools/rounds": c["rounds"],
+                    "tools/capped_frac": c["capped"], "tools/broken_frac": c["broken"],
+                    "tools/failed_frac": c["failed"] / max(c["calls"], 1e-12)})
     out["samples"] = [{"prompt": p, "target": t, "completion": c}
                       for p, t, c in list(zip(prompts, targets, texts))[:4]]
     for s, talk in zip(out["samples"], talks):

@@ -140,6 +140,9 @@ def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None
         raise ConfigError(str(e)) from None
     if cfg.tools:
         check_tool_answer(tok)
+    if cfg.environment and not getattr(tok, "chat", False):  # as configure_chat's for tools
+        raise ConfigError("environment: a multi-turn conversation needs the chat template of "
+                          "a Hugging Face tokenizer (init_from a model that has one)")
     if cfg.block_size > model.cfg.block_size:
         raise ConfigError(f"block_size: {cfg.block_size} exceeds the model's longest "
                           f"sequence ({model.cfg.block_size})")

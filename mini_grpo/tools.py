@@ -290,19 +290,39 @@ def run_call(tools: dict[str, Callable], call: ToolCall, max_chars: int = MAX_OU
         check_arguments(_schema(fn), call.arguments)
         out = fn(**call.arguments)
         if inspect.isawaitable(out):
-            running = asyncio.run_coroutine_threadsafe(_awaited(out), _tool_loop())
+            loop = _tool_loop()
+            running = asyncio.run_coroutine_threadsafe(_awaited(out), loop)
             try:
                 out = running.result(timeout)
             except cf.TimeoutError:
                 running.cancel()
+                _drop_if_blocked(loop)
                 raise ToolError(no_answer(timeout)) from None
         text = out if isinstance(out, str) else json.dumps(out, default=str)
-    except Exception as e:  # the model's call, or the tool, failed: the model is told
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the model's call, or the tool, failed (a SystemExit too)
+        text = f"error: {first_line(e)}"  # the model is told
+    return cut(text, max_chars)
+
+
+def cut(text: str, max_chars: int) -> str:
+    """`text` at most `max_chars` long, its note of the cut included where there is room."""
+    if len(text) <= max_chars:
+        return text
+    note = f" ... (cut at {max_chars} characters)"
+    return text[:max_chars - len(note)] + note if max_chars > 2 * len(note) \
+        else text[:max_chars]
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (its type's name where it has none, or where
+    making it raises)."""
+    try:
         lines = str(e).strip().splitlines()
-        text = f"error: {lines[0] if lines else type(e).__name__}"
-    if len(text) > max_chars:
-        text = text[:max_chars] + f" ... (cut at {max_chars} characters)"
-    return text
+    except BaseException:  # a __str__ of the tool's that raises: never out of the rollout
+        lines = []
+    return lines[0] if lines else type(e).__name__
 
 
 def no_answer(timeout: float) -> str:
@@ -331,6 +351,19 @@ def _tool_loop() -> asyncio.AbstractEventLoop:
                              daemon=True).start()
             _LOOP = (os.getpid(), loop)
         return _LOOP[1]
+
+
+def _drop_if_blocked(loop: asyncio.AbstractEventLoop, wait: float = 0.5) -> None:
+    """After a call past its timeout: a loop that cannot run a no-op within `wait` seconds is
+    held by a coroutine that blocks (a `time.sleep` in an `async def` tool), and every later
+    call would wait behind it. It is left to its thread, and the next call starts a new one."""
+    global _LOOP
+    try:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(wait)
+    except cf.TimeoutError:
+        with _LOOP_LOCK:
+            if _LOOP is not None and _LOOP[1] is loop:
+                _LOOP = None
 
 
 def _run_forever(loop: asyncio.AbstractEventLoop) -> None:

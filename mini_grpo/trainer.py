@@ -28,6 +28,7 @@ from . import distributed as D
 from . import faults
 from .data import batch_indices, shard
 from .engines import Sampling
+from .engines.turns import COUNTS
 from .evaluate import evaluate
 from .grpo import LossSettings, grpo_loss
 from .precision import memory_gb, release_freed_memory
@@ -263,7 +264,7 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
             "groups": float(traj.zero_spread.numel()),
             "prompt_tokens": traj.prompt_mask.sum().float()}
     if traj.turn_counts is not None:  # multi-turn: the same on every rank (the config's)
-        for k, col in zip(("calls", "failed", "rounds", "capped"), traj.turn_counts.T):
+        for k, col in zip(COUNTS, traj.turn_counts.T):
             sums[f"turns/{k}"] = col.sum()
     for k, col in res.columns.items():  # per plugin, over all ranks' rows
         col = torch.as_tensor(col, dtype=torch.float64)
@@ -291,7 +292,8 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
     if traj.turn_counts is not None:  # per row: tool calls, rounds; shares of rows
         m.update({"tools/calls": red["turns/calls"] / n, "tools/rounds": red["turns/rounds"] / n,
                   "tools/failed_frac": red["turns/failed"] / max(red["turns/calls"], 1.0),
-                  "tools/capped_frac": red["turns/capped"] / n})
+                  "tools/capped_frac": red["turns/capped"] / n,
+                  "tools/broken_frac": red["turns/broken"] / n})
     for k in res.columns:
         mean = red[f"{k}/s1"] / n
         m[f"reward/{k}/mean"] = mean

@@ -116,8 +116,8 @@ class Trajectory:
     pad: int  # passes with no loss that keep fsdp's ranks in step (the busiest's count)
     ref_logp: torch.Tensor | None = None  # (B, N) the reference policy's; None: no reference
     old_logp: torch.Tensor | None = None  # (B, N) the policy's before this step's update
-    turn_counts: torch.Tensor | None = None  # (B, 4) multi-turn: calls, failed calls, rounds,
-    # capped (Rollout.turn_counts)
+    turn_counts: torch.Tensor | None = None  # (B, 5) multi-turn: turns.COUNTS
+    # (Rollout.turn_counts)
 
     @classmethod
     def of(cls, r: Rollout, rewards: torch.Tensor, cfg, model=None) -> Trajectory:

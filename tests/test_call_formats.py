@@ -303,7 +303,7 @@ def test_turns_answer_each_format_s_calls_through_its_template(template, special
         assert turns.conversations()[0][-1] == {"role": "tool", "name": "calculator",
                                                 "content": "4"}
     assert turns.end_turn([0], [tok.encode("It is 4.") + [tok.eos_id]]) == [None]
-    assert turns.counts[0].tolist() == [2, 0, 2, 0]  # calls, failed, rounds, capped
+    assert turns.counts[0].tolist() == [2, 0, 2, 0, 0]  # calls, failed, rounds, capped, broken
 
 
 def test_a_mistral_tool_message_keeps_its_own_call_id_and_an_error_gets_one():

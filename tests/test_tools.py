@@ -265,4 +265,4 @@ def test_every_failure_is_the_tools_message():
         time.sleep(0.05)
     assert _CANCELLED == [7]
     long = run_call(tools, ToolCall("echo", {"text": "x" * 5000}), max_chars=100)
-    assert long == "x" * 100 + " ... (cut at 100 characters)"
+    assert long == "x" * 72 + " ... (cut at 100 characters)"  # 100 in all, the note too

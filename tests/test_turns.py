@@ -293,8 +293,8 @@ def test_hostile_turns_come_back_as_error_messages_and_stay_bounded(tmp_path):
         assert len(ours.decode(ids)) < 200 * 17 + 1000, name
     many = [m["content"] for m in turns.conversations()[4] if m["role"] == "tool"]
     assert many[:16] == ["2"] * 16 and "9984 more calls left out" in many[16]
-    calls, failed, rounds, capped = turns.counts.sum(0).tolist()
-    assert rounds == len(hostile) and capped == 0 and failed == calls - 16  # "many"'s 16 ran
+    calls, failed, rounds, capped, broken = turns.counts.sum(0).tolist()
+    assert rounds == len(hostile) and capped == broken == 0 and failed == calls - 16  # "many"'s 16 ran
 
 
 def test_a_slow_or_failing_environment_answers_with_an_error_and_the_cap_ends_rows(tmp_path):
@@ -321,7 +321,7 @@ def test_a_slow_or_failing_environment_answers_with_an_error_and_the_cap_ends_ro
     assert [talk[-1]["role"] for talk in turns.conversations()] == ["user", "user", "tool"]
     assert all(ids is not None for ids in first)
     again = turns.end_turn([2], [ours.encode("fine") + [ours.eos_id]])  # max_rounds 1: capped
-    assert again == [None] and turns.counts[2].tolist() == [2, 0, 1, 1]
+    assert again == [None] and turns.counts[2].tolist() == [2, 0, 1, 1, 0]
     assert turns.last_replies()[2] == "fine"
     turns.unanswered(0)  # its answer did not fit: it never reached the model
     assert [m["role"] for m in turns.conversations()[0]] == ["assistant"]

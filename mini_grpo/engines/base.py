@@ -78,7 +78,7 @@ class Rollout:
     # answered them (tools' results, the chat template's turn markers), all attended to
     model_mask: torch.Tensor | None = None  # (B, N) bool, the model's own tokens: the loss's
     conversations: list[list[dict]] | None = None  # each row's messages after its prompt
-    turn_counts: torch.Tensor | None = None  # (B, 4) calls, failed calls, rounds, capped
+    turn_counts: torch.Tensor | None = None  # (B, 5) turns.COUNTS: calls ... broken
     env_rewards: list[float] | None = None  # an environment's reward parts, summed per row
 
     def lengths(self) -> list[int]:

@@ -14,22 +14,47 @@ together step at once, each in a daemon thread of its own (tool_timeout counts f
 start; a step that never returns keeps no process alive). One that does not answer within
 tool_timeout seconds, or raises, answers `error: ...`, and its thread is left to finish on
 its own: that environment is not stepped again while it runs (its row ends at its next
-turn). What an environment returns is checked (envs.checked_step: EnvError names it).
+turn). What an environment returns is checked (envs.checked_step: EnvError names it). What
+it says is bounded here, by the rollout: an environment whose __init__ or reset raises, or
+whose answers are past a conversation's bounds (MAX_MESSAGES, MAX_CHARS) or do not render,
+breaks its row alone (COUNTS' `broken`, logged once per environment and kind), and text UTF-8
+cannot encode is replaced (envs.clean_text).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..chat_template import ChatTemplateError
 from ..conversation import continuation
-from ..envs import Environment, Step, ToolEnv, check_messages, checked_step, env_name, no_answer
+from ..envs import (
+    MAX_CHARS,
+    Environment,
+    Step,
+    ToolEnv,
+    check_messages,
+    checked_step,
+    clean_text,
+    env_name,
+    no_answer,
+)
 from ..threads import run_at_once
+from ..tools import first_line
 
 TOOL_LOOP_GRACE = 5.0  # s past tool_timeout for the tool loop's step, which bounds its calls
+# Turns.counts' columns, per row: tool calls, of them failed, rounds answered, capped by
+# max_tool_calls, broken (its environment failed: __init__ or reset raised, or what it said
+# is over a conversation's bounds)
+COUNTS = ("calls", "failed", "rounds", "capped", "broken")
+MAX_MESSAGES = 2048  # a conversation's messages: as many as RFT's output may read back with
+
+log = logging.getLogger("mini_grpo.envs")
+_logged: set[str] = set()  # each environment's failures of one kind are logged once
 
 
 @dataclass(frozen=True)
@@ -71,28 +96,58 @@ def environment_class(name: str) -> Callable[[], Environment]:
 
 class Turns:
     """The conversations of one generation's rows (B prompts): their messages so far, their
-    environments, and counts of what happened (calls, failed calls, rounds, capped)."""
+    environments, and counts of what happened (COUNTS). An environment that fails (its
+    __init__ or reset raises, or what it says is over a conversation's bounds) ends its row,
+    counted broken: the run goes on."""
 
     def __init__(self, setup: ToolSetup, tok, prompts: list):
-        self.setup, self.tok = setup, tok
+        self.setup, self.tok, self.prompts = setup, tok, prompts
+        self.name = "the tool loop" if setup.tool_loop else (
+            f"environment {getattr(setup.env, '__module__', '?')}:"
+            f"{getattr(setup.env, '__qualname__', type(setup.env).__name__)}")
         self.history = [tok.messages_of(p) for p in prompts]
-        self.envs = [setup.env(tok.call_format) if setup.tool_loop else setup.env()
-                     for _ in prompts]
-        for h, env, p in zip(self.history, self.envs, prompts):
-            first = env.reset(p)
+        self.counts = torch.zeros(len(prompts), len(COUNTS))  # per row: COUNTS
+        self.envs: list[Environment | None] = [self._made(g) for g in range(len(prompts))]
+        for g, (env, p) in enumerate(zip(self.envs, prompts)):
+            if env is None:
+                continue
+            try:
+                first = env.reset(p)
+            except Exception as e:  # the row's failure; the others go on
+                self._broke(g, "reset()", _raised(e))
+                continue
             if first is not None:
                 if not isinstance(first, str):  # a text is the prompt's one user message
                     check_messages(first, f"environment {env_name(env)}: reset()")
-                h[:] = tok.messages_of(first)
+                first = tok.messages_of(clean_text(first) if isinstance(first, str)
+                                        else _cleaned(first))
+                why = _over_bounds(first)
+                if why:
+                    self._broke(g, "reset()", why)
+                else:
+                    self.history[g] = first
         self.start = [len(h) for h in self.history]  # where each row's own turns begin
-        self.counts = torch.zeros(len(prompts), 4)  # calls, failed calls, rounds, capped
         self.rewards = torch.zeros(len(prompts), dtype=torch.float64)  # reward parts, summed
         self.running: dict[int, cf.Future] = {}  # rows whose step timed out, and that step
         # the tool loop bounds each call itself (ToolEnv's timeout), keeping the others' answers
         self.deadline = setup.timeout + (TOOL_LOOP_GRACE if setup.tool_loop else 0.0)
 
     def prompt_ids(self) -> list[list[int]]:
-        return [self.tok.encode(self.tok.render(h)) for h in self.history]
+        """Each row's conversation so far, rendered and encoded: the task's prompt, or what
+        its environment's reset() gave (where that does not render, the row is broken and
+        starts from the task's prompt)."""
+        out = []
+        for g, h in enumerate(self.history):
+            try:
+                out.append(self.tok.encode(self.tok.render(h)))
+            except ChatTemplateError as e:
+                if self.envs[g] is None or h == self.tok.messages_of(self.prompts[g]):
+                    raise  # the task's own prompt: the task's problem, not the environment's
+                self._broke(g, "reset()", f"its messages do not render ({e})")
+                self.history[g] = self.tok.messages_of(self.prompts[g])
+                self.start[g] = len(self.history[g])
+                out.append(self.tok.encode(self.tok.render(self.history[g])))
+        return out
 
     def end_turn(self, rows: list[int], replies: list[list[int]]) -> list[list[int] | None]:
         """`replies[i]`: the ids of row `rows[i]`'s turn, its end-of-turn token last -> the
@@ -112,10 +167,43 @@ class Turns:
                 c[3] = 1
                 out.append(None)
             else:
+                messages = _cleaned(st.messages)
+                why = _over_bounds(history + messages)
+                if why is None:
+                    try:
+                        nxt = continuation(self.tok, history, messages, ids[-1])
+                    except ChatTemplateError as e:
+                        why = f"its messages do not render ({e})"
+                if why is not None:  # the row ends here, its failure counted
+                    self._broke(g, "step()", why)
+                    out.append(None)
+                    continue
                 c[2] += 1
-                out.append(continuation(self.tok, history, st.messages, ids[-1]))
-                history += st.messages
+                out.append(nxt)
+                history += messages
         return out
+
+    def _made(self, g: int) -> Environment | None:
+        """Row `g`'s environment; None where making it raised (the row is broken)."""
+        try:
+            return self.setup.env(self.tok.call_format) if self.setup.tool_loop \
+                else self.setup.env()
+        except Exception as e:
+            self._broke(g, "__init__", _raised(e))
+            return None
+
+    def _broke(self, g: int, where: str, why: str) -> None:
+        """Row `g`'s environment failed in `where`: the row ends at its next turn (its first,
+        from the task's prompt, where reset had not given one), is counted broken, and the
+        first such failure of each kind is logged."""
+        self.counts[g, COUNTS.index("broken")] = 1
+        if where != "__init__":
+            self.envs[g] = None
+        key = f"{self.name} {where}"
+        if key not in _logged:
+            _logged.add(key)
+            log.warning("%s: %s: %s; its row ends (counted in tools/broken_frac; later "
+                        "failures of this kind are only counted)", self.name, where, why)
 
     def env_rewards(self) -> list[float] | None:
         """Each row's reward parts, summed over its turns (None: they do not count)."""
@@ -136,7 +224,8 @@ class Turns:
     def _steps(self, rows: list[int], texts: list[str]) -> list[Step]:
         """Each row's environment steps on its turn, all at once (module docstring); a row
         whose earlier step still runs ends instead."""
-        free = [g not in self.running or self.running.pop(g).done() for g in rows]
+        free = [self.envs[g] is not None and (g not in self.running
+                                              or self.running.pop(g).done()) for g in rows]
         started = iter(run_at_once([(self.envs[g].step, (t,))
                                     for g, t, ok in zip(rows, texts, free) if ok], self.deadline))
         futures = [next(started) if ok else None for ok in free]
@@ -151,8 +240,13 @@ class Turns:
         if not f.done():
             why = no_answer(self.setup.timeout)
         elif f.exception() is not None:
-            lines = str(f.exception()).strip().splitlines()
-            why = lines[0] if lines else type(f.exception()).__name__
+            why = first_line(f.exception())
+            key = f"{self.name} step()"
+            if key not in _logged:
+                _logged.add(key)
+                log.warning("%s: step() raised %s: %s; answered 'error: ...' (counted in "
+                            "tools/failed_frac; later failures are only counted)", self.name,
+                            type(f.exception()).__name__, why)
         else:
             return checked_step(f.result(), self.envs[g])
         # the tool loop's answers are tool messages; an environment's error comes as the
@@ -170,3 +264,26 @@ class Turns:
         return [next((m["content"] for m in reversed(h[s:]) if m["role"] == "assistant"), "")
                 for h, s in zip(self.history, self.start)]
 
+
+
+def _raised(e: BaseException) -> str:
+    return f"raised {type(e).__name__}: {first_line(e)}"
+
+
+def _cleaned(messages: list[dict]) -> list[dict]:
+    """Messages with every text made encodable (clean_text: no lone surrogates)."""
+    return [{k: clean_text(v) if isinstance(v, str) else v for k, v in m.items()}
+            for m in messages]
+
+
+def _over_bounds(messages: list[dict]) -> str | None:
+    """Why a conversation is over its bounds (None: within them): at most MAX_MESSAGES
+    messages, and the values the chat template writes (all but the model's own turns, which
+    render as a stand-in) at most MAX_CHARS characters in all, the most one render writes."""
+    if len(messages) > MAX_MESSAGES:
+        return f"{len(messages)} messages, more than a conversation holds ({MAX_MESSAGES})"
+    chars = sum(len(v) for m in messages if m["role"] != "assistant" for v in m.values())
+    if chars > MAX_CHARS:
+        return (f"its messages are {chars} characters in all, more than a chat template "
+                f"writes ({MAX_CHARS})")
+    return None
