@@ -339,6 +339,9 @@ def _sharded_meta(path: Path) -> dict[str, Any]:
     if not (path / ".metadata").is_file() or not (path / "meta.pt").is_file():
         raise CheckpointError(f"{path}: a sharded checkpoint cut short (no .metadata or "
                               f"meta.pt)")
+    if (path / "meta.pt").is_symlink():  # as its shards: a file of the folder, read there
+        raise CheckpointError(f"{path}: its meta.pt is a symbolic link, not a file mini-grpo "
+                              f"wrote")
     try:
         meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
     except Exception as e:

@@ -20,6 +20,7 @@ errors are caught before the trainer (and torch's start-up cost) is even importe
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -99,6 +100,17 @@ def train_main(argv: list[str]) -> int:
     return _guarded(lambda: train(cfg))
 
 
+def user_path(value: str) -> str:
+    """A command's path argument with a leading `~` or `~user` expanded, as the config's path
+    fields are (options.expand_paths): no shell expands it in quotes or after `--output=`."""
+    path = os.path.expanduser(value)
+    if path.startswith("~"):
+        raise argparse.ArgumentTypeError(f"{value!r}: no user {value[1:].split('/')[0]!r} whose "
+                                         f"home ~ could name (./{value} for a folder of that "
+                                         f"name)")
+    return path
+
+
 def check_gpt_size(cfg) -> None:
     """A run from scratch: our GPT's size from the config's fields against memory, before the
     task's data is built (most of the start-up of the default task: generating its games),
@@ -130,8 +142,8 @@ OVER_CHECKPOINT = "its stored config, then --config FILE over it, then any field
 def evaluate_main(argv: list[str]) -> int:
     ap = ArgParser(prog="mini-grpo evaluate", description="held-out evaluation of a checkpoint "
                    "(" + OVER_CHECKPOINT + ")")
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--checkpoint", required=True, type=user_path)
+    ap.add_argument("--json", help="also write the results here", type=user_path)
     args, rest = ap.parse_known_args(argv)
 
     def run_eval():
@@ -163,7 +175,7 @@ EVAL_JSON = "mini-grpo evaluate"  # in the files `evaluate --json` writes: it ma
 def sample_main(argv: list[str]) -> int:
     ap = ArgParser(prog="mini-grpo sample",
                  description="sample completions from a checkpoint (" + OVER_CHECKPOINT + ")")
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", required=True, type=user_path)
     ap.add_argument("--prompt", required=True, action="append",
                     help="prompt text (repeatable), e.g. 'e2e4 e7e5:'")
     ap.add_argument("--n", type=int, default=1, help="completions per prompt")
@@ -254,8 +266,8 @@ def rft_generate_main(argv: list[str]) -> int:
     ap = ArgParser(prog="mini-grpo rft-generate",
                  description="rejection-sampling data from a checkpoint (" + OVER_CHECKPOINT
                              + ")")
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--output", required=True,
+    ap.add_argument("--checkpoint", required=True, type=user_path)
+    ap.add_argument("--output", required=True, type=user_path,
                     help="JSONL file to write; an earlier output of this command with the same "
                          "settings is resumed, any other file is refused")
     ap.add_argument("--split", choices=["train", "eval"], default="train")
@@ -280,9 +292,9 @@ def export_main(argv: list[str]) -> int:
     ap = ArgParser(prog="mini-grpo export",
                  description="a checkpoint as a Hugging Face model directory, or as one GGUF "
                              "file (--output X.gguf)")
-    ap.add_argument("--checkpoint", required=True,
+    ap.add_argument("--checkpoint", required=True, type=user_path,
                     help="one of our checkpoints, a Hugging Face directory or a GGUF file")
-    ap.add_argument("--output", required=True,
+    ap.add_argument("--output", required=True, type=user_path,
                     help="directory to write (new, empty, or an earlier export: never one "
                          "holding other files), or FILE.gguf (a GGUF file that llama.cpp, "
                          "ollama and LM Studio run)")
@@ -360,8 +372,9 @@ def import_gguf_main(argv: list[str]) -> int:
         prog="mini-grpo import-gguf",
         description="a GGUF file (llama.cpp's format: Llama, Qwen2/3, SmolLM2) as a Hugging "
                     "Face model directory: weights dequantized, tokenizer and chat template")
-    ap.add_argument("gguf", help="the .gguf file")
-    ap.add_argument("output", help="directory to write: new, empty, or an earlier import")
+    ap.add_argument("gguf", help="the .gguf file", type=user_path)
+    ap.add_argument("output", type=user_path,
+                    help="directory to write: new, empty, or an earlier import")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the weights' dtype in the directory (float32 keeps the dequantized "
                          "values exactly)")

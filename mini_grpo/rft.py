@@ -49,6 +49,7 @@ from . import distributed as D
 from .data import shard
 from .engines import Sampling
 from .fields import ConfigError
+from .jsonio import read_json_object
 from .outputs import LineFile, check_parent, open_in_place, write_file
 from .precision import release_freed_memory
 from .scoring import score
@@ -104,9 +105,9 @@ def stale_reason(output: Path, cfg, source: dict) -> str | None:
     files = written_files(output)
     if not files:
         return None
-    try:
-        stamp = json.loads(sidecar(output).read_text()) if sidecar(output).is_file() else None
-    except (OSError, ValueError):
+    try:  # bounded like any JSON file (jsonio): a sidecar is untrusted too
+        stamp = read_json_object(sidecar(output))
+    except ConfigError:
         stamp = None
     if not (isinstance(stamp, dict) and stamp.get("written_by") == WRITTEN_BY
             and isinstance(stamp.get("config"), dict)):

@@ -141,11 +141,10 @@ class CharTokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> CharTokenizer:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: cannot read tokenizer file ({e})") from None
-        if not isinstance(data, dict) or data.get("type") != "char" or \
+        data = read_json_object(path)  # bounded, one line naming the file (a ValueError)
+        if data is None:
+            raise ValueError(f"{path}: cannot read tokenizer file (no such file)")
+        if data.get("type") != "char" or \
                 not isinstance(data.get("chars"), list):
             raise ValueError(f"{path}: not a mini-grpo tokenizer file")
         return cls(data["chars"])

@@ -457,7 +457,8 @@ def test_a_shard_is_a_plain_file_of_its_checkpoint_and_refused_in_one_line(tmp_p
     data = shard.read_bytes()
     for name, target, why in [(shard.name, tmp_path / "outside.bin", "lies outside"),
                               (shard.name, path / "copy.bin", "is a symbolic link"),
-                              (".metadata", tmp_path / "index", ".metadata is a symbolic link")]:
+                              (".metadata", tmp_path / "index", ".metadata is a symbolic link"),
+                              ("meta.pt", tmp_path / "meta", "meta.pt is a symbolic link")]:
         shutil.copy(path / name, target)
         (path / name).unlink()
         os.symlink(target, path / name)

