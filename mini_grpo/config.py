@@ -207,6 +207,9 @@ class GRPOConfig:
 
     # ---- evaluation, logging, checkpoints ----
     eval_every: int = opt(50, "run", "1..10000000")  # greedy held-out eval every N GRPO steps
+    # completions per held-out prompt in the sampled evaluation; > 1 adds pass@k (k = 1, 2,
+    # 4, ... up to it): how often the model's own samples hold a solved answer
+    eval_samples: int = opt(1, "run", "1..1024")
     log_every: int = opt(1, "run", "1..10000000")  # metrics every N steps, and at the last
     # metrics.jsonl always; plus any of tensorboard, wandb (pip install -e .[wandb])
     report_to: list = opt(["tensorboard"], "run")

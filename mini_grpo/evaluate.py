@@ -38,9 +38,14 @@ def _summary(total, columns: dict, lengths) -> dict[str, float]:
 @torch.no_grad()
 def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
              amp: bool = True) -> dict:
-    """One completion per held-out example of run.task, scored; returns a flat dict. Samples
-    through the run's engine (Run.sampler), with the weights it was last synced with."""
-    cfg, task, examples = run.cfg, run.task, run.task.eval
+    """Completions of each held-out example of run.task, scored; returns a flat dict: one
+    greedy completion, or `eval_samples` sampled ones, each example's figures the mean over
+    its completions (so reward_se is over examples), and with more than one, pass@k of the
+    task's solved column (pass_at_k). Samples through the run's engine (Run.sampler), with
+    the weights it was last synced with."""
+    cfg, task = run.cfg, run.task
+    n = 1 if greedy else cfg.eval_samples
+    examples = [ex for ex in task.eval for _ in range(n)]  # an example's n rows together
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
     texts, lengths, talks, counts, env = [], [], [], [], []
@@ -65,25 +70,53 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     if task.eval_columns is not None:
         columns.update(task.eval_columns(examples, texts))
     columns.update({f"reward/{k}": v for k, v in res.columns.items()})
-    lengths = np.asarray(lengths, dtype=float)
-    out = _summary(res.total, columns, lengths)
+
+    def per_example(col) -> np.ndarray:  # (E * n,) -> (E,): each example's mean
+        return np.asarray(col, dtype=float).reshape(-1, n).mean(1)
+
+    total, lengths = per_example(res.total), per_example(lengths)
+    solved = np.asarray(columns[task.solved]).reshape(-1, n) if n > 1 else None
+    columns = {k: per_example(v) for k, v in columns.items()}
+    out = {**_summary(total, columns, lengths), **pass_at(solved)}
     if task.eval_bucket is not None:
-        buckets = np.array([task.eval_bucket(ex) or "" for ex in examples])
+        buckets = np.array([task.eval_bucket(ex) or "" for ex in task.eval])
         keep = {"reward", "n", *(k for k in columns if not k.startswith("reward/"))}
         for name in sorted(set(buckets) - {""}):
             sel = buckets == name
-            sub = _summary(res.total[sel], {k: v[sel] for k, v in columns.items()}, lengths[sel])
-            out.update({f"{name}/{k}": v for k, v in sub.items() if k in keep})
+            sub = _summary(total[sel], {k: v[sel] for k, v in columns.items()}, lengths[sel])
+            sub.update(pass_at(None if solved is None else solved[sel]))
+            out.update({f"{name}/{k}": v for k, v in sub.items()
+                        if k in keep or k.startswith("pass@")})
     if counts:  # per row: tool calls, rounds; shares of calls that failed, of rows capped
         c = dict(zip(COUNTS, torch.cat(counts).double().mean(0).tolist()))
         out.update({"tools/calls": c["calls"], "tools/rounds": c["rounds"],
                     "tools/capped_frac": c["capped"], "tools/broken_frac": c["broken"],
                     "tools/failed_frac": c["failed"] / max(c["calls"], 1e-12)})
-    out["samples"] = [{"prompt": p, "target": t, "completion": c}
-                      for p, t, c in list(zip(prompts, targets, texts))[:4]]
-    for s, talk in zip(out["samples"], talks):
+    out["samples"] = [{"prompt": p, "target": t, "completion": c}  # each example's first
+                      for p, t, c in list(zip(prompts, targets, texts))[::n][:4]]
+    for s, talk in zip(out["samples"], talks[::n]):
         s["messages"] = talk
     return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that k of n completions drawn without replacement hold one of the c solved
+    ones: 1 - C(n - c, k) / C(n, k), the unbiased estimator of Chen et al. (2021), as their
+    product form (no large binomials)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_at(solved: np.ndarray | None) -> dict[str, float]:
+    """{"pass@k": mean over examples} for k = 1, 2, 4, ... and n, from (E, n) 0/1 solved
+    flags of n completions each; {} for one completion each (None)."""
+    if solved is None:
+        return {}
+    n = solved.shape[1]
+    c = (solved >= 1).sum(1)  # a column of partial credit: only full marks solve
+    ks = sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+    return {f"pass@{k}": float(np.mean([pass_at_k(n, int(ci), k) for ci in c])) for k in ks}
 
 
 def trivial_baselines(task, scorer) -> dict[str, float]:

@@ -42,6 +42,8 @@ class TaskData:
     eval_columns: Callable[[list[Example], list[str]], dict] | None = None
     eval_bucket: Callable[[Example], str | None] | None = None
     trivial_answers: dict[str, Callable[[Example], str]] = field(default_factory=dict)
+    # the 0/1 column a completion counts as solved by (pass@k): `exact`, or one of eval_columns
+    solved: str = "exact"
 
 
 def split_held_out(rows: list[Example], num_eval: int, seed: int,

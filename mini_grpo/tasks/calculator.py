@@ -113,4 +113,5 @@ def build(cfg: GRPOConfig, args: Args) -> TaskData:
     return TaskData("calculator", train, held, [dict(r) for r in DEFAULT_REWARDS], ALPHABET,
                     eval_columns=correct_column, eval_bucket=lambda ex: ex.meta.get("kind"),
                     trivial_answers={"first_number": first_number,
-                                     "zero": lambda ex: "<answer>0</answer>"})
+                                     "zero": lambda ex: "<answer>0</answer>"},
+                    solved="correct")

@@ -242,4 +242,4 @@ def build(cfg: GRPOConfig, args: Args) -> TaskData:
     }
     return TaskData("countdown", train, held, [dict(r) for r in DEFAULT_REWARDS], alphabet,
                     eval_columns=solved_column, eval_bucket=numbers_bucket,
-                    trivial_answers=trivial)
+                    trivial_answers=trivial, solved="solved")
