@@ -58,9 +58,53 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+# ---- what a step did
+
+class UpdateProbe:
+    """The update's relative size, ||delta theta|| / ||theta||, of each optimizer step: the
+    entries of a fixed random sample of each trained weight (all of a small one's; 4096 plus
+    1/64 of a large one's, weighted back to the whole) are read before the step and after, so
+    it is what the step did, whatever the optimizer (a fused kernel, a skipped fp16 step).
+    Its own generator: the run's random streams are untouched. A sharded weight is sampled in
+    this rank's shard: the sums are this rank's, to be summed over ranks."""
+
+    def __init__(self, params, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.parts = []  # (weight, sampled flat indices or None for all, weight of the sample)
+        for p in params:
+            n = _local(p).numel()
+            k = min(n, 4096 + n // 64)
+            idx = None if k == n else torch.randint(n, (k,), generator=gen).to(p.device)
+            self.parts.append((p, idx, n / max(k, 1)))
+
+    def read(self) -> list[torch.Tensor]:
+        """The sampled entries now, in fp32."""
+        with torch.no_grad():
+            return [(f if idx is None else f[idx]).float().clone() for f, idx in
+                    ((_local(p).detach().reshape(-1), idx) for p, idx, _ in self.parts)]
+
+    def sums(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """[sum of delta^2, sum of theta^2] (fp64), estimated over the whole weights, from
+        `before` (read()) to now."""
+        out = torch.zeros(2, dtype=torch.float64)
+        for x0, x1, (_, _, w) in zip(before, self.read(), self.parts):
+            out[0] += w * (x1 - x0).double().square().sum().cpu()
+            out[1] += w * x1.double().square().sum().cpu()
+        return out
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 # ---- a saved state, read as untrusted input
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter tensors
+# flags a saved group keeps as this optimizer has them: amsgrad needs another moment,
+# capturable and differentiable kernels one of ours may not have (CPU, fused)
+FIXED_FLAGS = ("amsgrad", "capturable", "differentiable")
+UNSET_FLAGS = ("foreach", "fused")  # None: torch picks
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the kernels take the groups' numbers as float
 
 
 def check_state(opt: torch.optim.Optimizer, state) -> None:
@@ -85,6 +129,11 @@ def check_state(opt: torch.optim.Optimizer, state) -> None:
         for key, value in g.items():
             if key != "params":
                 _check_group_value(f"optimizer.param_groups[{i}].{key}", value, h, key)
+        # torch fills in a missing flag (an older torch's group), not a missing number
+        missing = [k for k, v in h.items() if k not in g and not (v is None or
+                                                                isinstance(v, bool))]
+        if missing:
+            raise ValueError(f"optimizer.param_groups[{i}]: has no {missing[0]!r}")
         for k, p in zip(g["params"], h["params"]):
             if not isinstance(k, int | str) or isinstance(k, bool) or k in params:
                 raise ValueError(f"optimizer.param_groups[{i}].params: {k!r} is not a "
@@ -103,8 +152,7 @@ def check_state(opt: torch.optim.Optimizer, state) -> None:
         step = entry["step"]
         if isinstance(step, torch.Tensor):
             step = step.item() if step.numel() == 1 and step.is_floating_point() else None
-        if isinstance(step, bool) or not isinstance(step, int | float) \
-                or not math.isfinite(step) or step < 0:
+        if not _number(step) or step < 0:
             raise ValueError(f"{where}.step: must be a finite number >= 0")
         for name in want - {"step"}:
             t = entry[name]
@@ -119,24 +167,26 @@ def check_state(opt: torch.optim.Optimizer, state) -> None:
                                  + ("" if name == "exp_avg" else " and >= 0"))
 
 
+def _number(x) -> bool:
+    """A number float32 holds (a huge int too: compared, never converted)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and abs(x) <= FLOAT32_MAX
+
+
 def _check_group_value(where: str, value, group: dict, key: str) -> None:
-    """A saved param group's value against this optimizer's value of `key`: a flag (bool, or
-    None where torch leaves it unset) stays one; a number is a finite one >= 0 (eps > 0);
-    a tuple (betas) is as long, of finite numbers in [0, 1)."""
+    """A saved param group's value against this optimizer's value of `key`: a flag stays a
+    bool (or None, where torch picks: UNSET_FLAGS), one of FIXED_FLAGS ours; a number is one
+    float32 holds, >= 0 (eps > 0); a tuple (betas) is as long, of numbers in [0, 1)."""
     if key not in group:
         raise ValueError(f"{where}: not a key of this optimizer's groups")
     ours = group[key]
-
-    def number(x) -> bool:
-        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
     if ours is None or isinstance(ours, bool):
-        ok = value is None or isinstance(value, bool)
+        ok = (isinstance(value, bool) and (key not in FIXED_FLAGS or value == bool(ours))
+              or value is None and key in UNSET_FLAGS)
     elif isinstance(ours, tuple):
         ok = isinstance(value, tuple | list) and len(value) == len(ours) and all(
-            number(x) and 0 <= x < 1 for x in value)
-    elif number(ours):
-        ok = number(value) and value >= 0 and (value > 0 or key != "eps")
+            _number(x) and 0 <= x < 1 for x in value)
+    elif _number(ours):
+        ok = _number(value) and value >= 0 and (value > 0 or key != "eps")
     else:  # a kind of value this check does not know: it must be the same
         ok = type(value) is type(ours) and value == ours
     if not ok:

@@ -39,7 +39,7 @@ from .checkpoint import (
 )
 from .fields import show
 from .guards import RUNGS, Guard, finite_everywhere, params_finite
-from .optim import lr_at, make_optimizer, set_lr
+from .optim import UpdateProbe, lr_at, make_optimizer, set_lr
 from .precision import linear_weights_cast_once
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class TrainState:
         self.lr, self.total, self.warmup = lr, total, warmup
         self.directory, self.keep = (Path(directory) if directory else None), keep
         self.opt = make_optimizer(run.model, lr, cfg.weight_decay, fused=cfg.fused_optimizer)
+        self.probe = UpdateProbe([p for p in run.model.parameters() if p.requires_grad])
         precision = self.precision
         uses = precision.dtype is not None or (tag == "grpo" and
                                                precision.generation_dtype is not None)
@@ -71,7 +72,8 @@ class TrainState:
             torch.Generator(device=run.device).manual_seed(seed)
         self.current_step = 0  # the step being taken; after restore(), the checkpoint's
         self.last_lr = 0.0
-        self.grad_norm = torch.zeros(())
+        self.grad_norm = torch.zeros(())  # before clipping
+        self.update_size = torch.zeros(())  # the last step's ||delta theta|| / ||theta||
 
     # ---- one step
     def begin(self, step: int) -> float:
@@ -107,9 +109,15 @@ class TrainState:
         # with fp16 loss scaling, overflowing gradients are the scaler's to skip
         norm = loss if self.scaler.is_enabled() else self.grad_norm
         ok = self.guard.check(loss, norm, *good, params_finite(self.model.parameters()))
+        self.update_size = torch.zeros(())
         if ok:
+            before = self.probe.read()
             self.scaler.step(self.opt)
             self.scaler.update()
+            sums = self.probe.sums(before)
+            if fsdp.is_sharded(self.model):  # each rank sampled its shards
+                sums = D.all_reduce_sum(sums.to(self.device)).cpu()
+            self.update_size = (sums[0] / sums[1].clamp_min(1e-300)).sqrt()
         else:
             self._skipped()
         self.opt.zero_grad(set_to_none=True)
@@ -147,7 +155,8 @@ class TrainState:
 
     def metrics(self) -> dict[str, float]:
         g = self.guard
-        return {"grad_norm": self.grad_norm.item(), "lr": self.last_lr,
+        return {"grad_norm": self.grad_norm.item(), "update_size": self.update_size.item(),
+                "lr": self.last_lr,
                 "guard/skipped": g.skipped, "guard/rungs_used": g.next_rung,
                 "guard/amp": float(g.amp), "guard/lr_scale": g.lr_scale}
 
@@ -224,11 +233,14 @@ GUARD_FIELDS = {"skipped": (_count, "an integer >= 0"),
                               f"an integer in 0..{len(RUNGS)}"),
                 "lr_scale": (lambda x: _finite(x, 2**-1074, 1.0), "a number in (0, 1]"),
                 "amp": (lambda x: isinstance(x, bool), "true or false")}
-SCALER_FIELDS = {"scale": (lambda x: _finite(x, 2**-1074, 2**128), "a finite number > 0"),
+# the scaler keeps its scale and growth tracker in float32 and int32 tensors
+SCALER_FIELDS = {"scale": (lambda x: _finite(x, 2**-126, 2**127),
+                           "a number in [2**-126, 2**127]"),
                  "growth_factor": (lambda x: _finite(x, 1.0, 2**16), "a number in [1, 65536]"),
                  "backoff_factor": (lambda x: _finite(x, 2**-1074, 1.0), "a number in (0, 1]"),
                  "growth_interval": (lambda x: _count(x) and x > 0, "an integer >= 1"),
-                 "_growth_tracker": (_count, "an integer >= 0")}
+                 "_growth_tracker": (lambda x: _count(x) and x < 2**31,
+                                     "an integer in 0..2**31-1")}
 
 
 def check_train_state(ckpt: dict, source: str) -> None:
@@ -247,10 +259,14 @@ def check_train_state(ckpt: dict, source: str) -> None:
         raise bad("logged", "an integer >= 0 (metrics.jsonl's size) or null", ckpt["logged"])
     if "optimizer" in ckpt and not isinstance(ckpt["optimizer"], dict):
         raise bad("optimizer", "an optimizer state (a dict)", ckpt["optimizer"])
-    for name, fields in (("guard", GUARD_FIELDS), ("scaler", SCALER_FIELDS)):
+    # a guard's missing field keeps its default; torch's scaler reads every field (a
+    # disabled scaler saves none)
+    for name, fields, some in (("guard", GUARD_FIELDS, True), ("scaler", SCALER_FIELDS, False)):
         entry = ckpt.get(name, {})
-        if not isinstance(entry, dict) or not set(entry) <= set(fields):
-            raise bad(name, f"a dict of {', '.join(fields)}", entry)
+        if not isinstance(entry, dict) or not set(entry) <= set(fields) or not (
+                some or not entry or set(entry) == set(fields)):
+            raise bad(name, f"a dict of {', '.join(fields)}" + ("" if some else
+                                                               " (all, or none)"), entry)
         for key, value in entry.items():
             ok, what = fields[key]
             if not ok(value):
