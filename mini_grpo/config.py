@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .advantages import ADVANTAGES
 from .config_layers import LEGACY_TASK_ARGS, Layers, resolve_config_path
 from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
 from .options import check_ranges, env_vars, expand_paths, opt
@@ -179,6 +180,12 @@ class GRPOConfig:
     # advantages = reward - group mean, divided by the group's std (group), the whole batch's
     # std (batch), or nothing (none: Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = opt("group", "grpo")
+    # advantages from the rewards (advantages.py; docs/guide.md): grpo (scaled by
+    # scale_rewards), dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or
+    # package.module:function
+    advantage_estimator: str = opt("grpo", "grpo")
+    # the KL term's per-token estimator of KL(pi || ref): k1, k2, k3 or low_var_kl (k3 clamped)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = opt("k3", "loss")
     # the loss over tokens: grpo = mean per sequence, then over sequences; dapo = sum over
     # all tokens / their number in the global batch; dr_grpo = sum / (rows x max_new_tokens)
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
@@ -309,6 +316,10 @@ class GRPOConfig:
             _check_rewards(self.rewards)
         if not all(isinstance(t, str) and t for t in self.tools):
             raise ConfigError(f"tools: must be a list of tool names, got {show(self.tools)}")
+        if self.advantage_estimator not in ADVANTAGES and ":" not in self.advantage_estimator:
+            raise ConfigError(f"advantage_estimator: unknown estimator "
+                              f"{self.advantage_estimator!r} (available: "
+                              f"{', '.join(ADVANTAGES)}; or package.module:function)")
         if self.tools and self.environment:
             raise ConfigError("environment: runs in place of the tool loop; an environment "
                               "that uses tools calls them itself (set tools: [])")

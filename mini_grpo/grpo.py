@@ -1,4 +1,5 @@
-"""The GRPO algorithm as pure tensor functions: advantages and the loss.
+"""The GRPO loss as a pure tensor function, and the KL estimators it takes by name
+(KL_ESTIMATORS). The advantages it is given come from advantages.py.
 
 Shapes: B sequences (prompts x group size, flattened group-major), T completion tokens, V vocab.
 
@@ -12,8 +13,9 @@ Loss variants are parameters, not switches spread through the trainer:
                           the batch counted, those that carry no loss (dynamic sampling,
                           mask_truncated) too: a constant, as Dr. GRPO and TRL have it
 Per token: clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with
-r = exp(logp - old_logp), plus beta * KL(pi || ref) with the k3 estimator
-exp(ref - logp) - (ref - logp) - 1. Both exponents are masked before the exponential: at a
+r = exp(logp - old_logp), plus beta * KL(pi || ref) by `kl_estimator` (KL_ESTIMATORS: k3,
+exp(ref - logp) - (ref - logp) - 1, by default). Both exponents are masked before the
+exponential: at a
 padded position the reference log-prob is 0 and the policy's may be -95, and exp(95) = inf
 times a 0 mask is NaN, in the loss and in its gradient.
 
@@ -28,6 +30,7 @@ micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -46,6 +49,7 @@ class LossSettings:
     loss_agg: str  # grpo | dapo | dr_grpo
     max_new_tokens: int | None  # dr_grpo's constant
     vllm_is_cap: float  # truncated importance sampling of the engine's samples; 0 = off
+    kl_estimator: str  # KL_ESTIMATORS' name: k1 | k2 | k3 | low_var_kl
 
     @classmethod
     def default(cls, **changes) -> LossSettings:
@@ -88,32 +92,17 @@ def engine_is_weight(old_logp, engine_logp, mask, cap: float):
     return weight, _masked_mean(d.abs(), m), _masked_mean(torch.exp(d) - 1 - d, m)
 
 
-def zero_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) rewards -> (B/G,) bool: the groups whose rewards are all equal (no signal)."""
-    r = rewards.view(-1, group_size)
-    return r.max(dim=1).values == r.min(dim=1).values
+# ---- KL estimators, by name (kl_estimator): d = log ref - log pi per token -> KL(pi || ref)
+# (Schulman's k1, k2, k3); 0 where d is 0 (masked positions)
 
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     eps: float = 1e-4, batch_std: torch.Tensor | float | None = None):
-    """rewards (B,) grouped as B/G consecutive groups -> advantages (B,).
-
-    `batch_std` overrides the local std for scale="batch" (DDP passes the global one).
-    Groups whose rewards are all equal (`zero_spread`) get zero advantage under every scaling.
-    """
-    r = rewards.float().view(-1, group_size)  # (B/G, G)
-    mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, keepdim=True, unbiased=False)
-    a = r - mean
-    if scale == "group":
-        a = a / (std + eps)
-    elif scale == "batch":
-        s = rewards.float().std(unbiased=False) if batch_std is None else batch_std
-        a = a / (s + eps)
-    elif scale != "none":
-        raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
-    a = a.masked_fill(zero_spread(rewards, group_size)[:, None], 0.0)  # exactly 0, no 0/0
-    return a.view(-1)
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda d: -d,  # log pi - log ref: unbiased, high variance, can be < 0
+    "k2": lambda d: 0.5 * d.square(),  # low variance, biased
+    "k3": lambda d: torch.exp(d) - d - 1,  # unbiased, >= 0 (GRPO's)
+    # k3 clamped to [-10, 10] (verl's low_var_kl): a token far off the reference cannot
+    # dominate the term
+    "low_var_kl": lambda d: (torch.exp(d) - d - 1).clamp(-10.0, 10.0),
+}
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -152,7 +141,7 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
         d = torch.where(keep, ref_logp - logp, 0.0)
-        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0; 0 where masked
+        kl = KL_ESTIMATORS[s.kl_estimator](d)  # 0 where masked
         per_token = per_token + beta * kl
 
     if agg == "grpo":

@@ -254,12 +254,18 @@ def checkpoint_spec(state: dict, cfg: GRPOConfig, tok: Tokenizer, source: str) -
 
 
 # The fields whose values name code to import (package.module:name), each with the values
-# mini-grpo ships itself and how a user names it on the command line.
+# mini-grpo ships itself and how a user names it on the command line: a field of the kind
+# added to the config is added here or to TRAINING_CODE, and tests/test_run.py checks each.
 def foreign_code(cfg: GRPOConfig) -> dict[str, list[str]]:
     """{field: its values that would import code mini-grpo does not ship}."""
     return {"rewards": [r["name"] for r in cfg.rewards or [] if r["name"] not in REWARDS],
             "tools": [t for t in cfg.tools if t not in BUILTIN_TOOLS],
             "environment": [cfg.environment] if cfg.environment else []}
+
+
+# Fields that name code only training runs (a user's advantage estimator): the commands that
+# read a checkpoint drop the checkpoint's value for the default, unless the user names it.
+TRAINING_CODE = ("advantage_estimator",)
 
 
 NAME_IT = {"rewards": ("--rewards='[{{name: {}}}]'", "--rewards=null for the task's defaults"),
@@ -310,6 +316,9 @@ def checkpoint_config(path: str, overrides: dict[str, str],
                                else ())}
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    for field in TRAINING_CODE:
+        if field not in named:
+            setattr(cfg, field, getattr(GRPOConfig, field))
     refuse_stored_code(cfg, named, path)
     checkpoint_spec(state, cfg, tok, path)  # sharded: the shards are read by build_policy
     return state, cfg

@@ -36,6 +36,7 @@ import torch
 
 from . import distributed as D
 from . import faults, fsdp
+from .advantages import resolve_advantage
 from .checkpoint import discard_checkpoints
 from .config import ConfigError, GRPOConfig
 from .dtype_probe import probe_dtypes
@@ -195,6 +196,8 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None
         if data is not None:
             scorer = RewardScorer.from_config(cfg, data)
+        if train and "grpo" in cfg.mode:  # a user's estimator is imported now, before any work
+            resolve_advantage(cfg.advantage_estimator)
         sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
         # under fsdp, a pretrained model or a random init is read (drawn) by rank 0 alone and
         # sent to the others' shards, which start on the meta device: a node holds one copy

@@ -24,8 +24,8 @@ import torch
 
 from . import distributed as D
 from . import fsdp
+from .advantages import AdvantageInputs, advantages, zero_spread
 from .engines.base import Rollout, Sampling
-from .grpo import group_advantages, zero_spread
 from .logprobs import completion_logprobs
 
 
@@ -146,14 +146,17 @@ class Trajectory:
             torch.tensor(len(rewards))
         # in float64: s2/n - mean^2 cancels, and in float32 rewards of 100 +- 0.1 had a batch
         # std of 0 (scale_rewards: batch then scaled their advantages ~350x)
-        r64 = rewards.double()
-        n, s1, s2, seqs, tokens = D.all_reduce_sum(torch.stack([
+        r64 = rewards.double().view(-1, G)
+        c64 = r64 - r64.mean(dim=1, keepdim=True)  # each reward less its group's mean
+        n, s1, s2, c2, seqs, tokens = D.all_reduce_sum(torch.stack([
             torch.tensor(float(len(rewards)), dtype=torch.float64, device=rewards.device),
-            r64.sum(), r64.square().sum(), n_seqs.to(rewards.device).double(),
-            loss_mask.sum().double()]))
+            r64.sum(), r64.square().sum(), c64.square().sum(),
+            n_seqs.to(rewards.device).double(), loss_mask.sum().double()]))
         std = (s2 / n - (s1 / n) ** 2).clamp(min=0).sqrt().float()
         n, mean, seqs, tokens = n.float(), (s1 / n).float(), seqs.float(), tokens.float()
-        adv = group_advantages(rewards, G, cfg.scale_rewards, batch_std=std)
+        adv = advantages(cfg.advantage_estimator, AdvantageInputs(
+            rewards.float().view(-1, G), mean, std, (c2 / n).sqrt().float(), cfg.scale_rewards,
+            1e-4)).view(-1)
         live = loss_mask if cfg.beta else loss_mask & (adv != 0)[:, None]
         plan = tuple(cut(rows, live, r.prompt_mask, G) for rows in row_batches(
             r.prompt_mask, live, cfg.micro_batch_size, G, cfg.micro_batch_tokens))

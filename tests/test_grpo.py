@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from mini_grpo.grpo import LossSettings, group_advantages, grpo_loss, zero_spread
+from mini_grpo.advantages import group_advantages, zero_spread
+from mini_grpo.grpo import LossSettings, grpo_loss
 from mini_grpo.logprobs import completion_logprobs
 
 

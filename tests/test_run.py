@@ -173,8 +173,29 @@ def test_code_a_checkpoint_names_is_never_imported(checkpoint, tmp_path, field):
     # named by the user, the same value is theirs to run (it runs: the marker appears)
     named = {"rewards": "--rewards=[{name: 'planted:fn'}]", "tools": "--tools=[planted:tool]",
              "environment": "--environment=planted:Env"}[field]
-    mini_grpo_cmd(tmp_path, "evaluate", "--checkpoint", str(path), "--num_eval=2", named)
-    assert (tmp_path / "PLANTED_RAN").exists()
+    r = mini_grpo_cmd(tmp_path, "evaluate", "--checkpoint", str(path), "--num_eval=2", named)
+    assert "not imported" not in r.stderr, r.stderr[-2000:]
+    if field != "environment":  # (which needs a chat template, which this model lacks)
+        assert (tmp_path / "PLANTED_RAN").exists()
+
+
+def test_an_advantage_estimator_a_checkpoint_names_is_dropped_never_imported(checkpoint,
+                                                                            tmp_path):
+    """Only training computes advantages: evaluate, sample and rft-generate take the
+    default; a resume takes the user's config's."""
+    (tmp_path / "planted.py").write_text(PLANTED)
+    path = tampered(checkpoint, tmp_path, advantage_estimator="planted:adv")
+    for args in (["evaluate", "--num_eval=2"], ["sample", "--prompt", "e2e4",
+                                                "--max_new_tokens=2"]):
+        r = mini_grpo_cmd(tmp_path, *args, "--checkpoint", str(path))
+        assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(ROOT / "distributed_train.py"), "--config", "tiny",
+                        *(f"--{k}={v}" for k, v in TINY.items()), f"--resume={path}",
+                        "--out_dir=run", "--max_steps=2"],
+                       capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "PLANTED_RAN").exists()
 
 
 @pytest.mark.parametrize("config, needle", [
