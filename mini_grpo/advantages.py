@@ -5,6 +5,11 @@ reinforce_pp_baseline; a user's own is `package.module:function` of the same sig
 (AdvantageInputs -> (P, G)). Pure tensor functions; the global batch's moments they may use
 are all-reduced by the caller (Trajectory.of), so N ranks give one process's advantages.
 
+The group std is the population std (divide by G), not the sample std TRL and verl use (divide
+by G - 1, advantages x0.94 at G = 8): with it a group's advantages have exactly unit variance,
+and the default learning rate was tuned with it. Only the scale of the advantages differs,
+which the learning rate absorbs.
+
     a = advantages("rloo", AdvantageInputs(rewards.view(-1, G), mean, std, centered_std,
                                           "group", 1e-4))    # (P, G)
 """

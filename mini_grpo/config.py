@@ -28,6 +28,7 @@ import yaml
 from .advantages import ADVANTAGES
 from .config_layers import LEGACY_TASK_ARGS, Layers, resolve_config_path
 from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
+from .losses import POLICY_LOSSES
 from .options import check_ranges, env_vars, expand_paths, opt
 from .task_registry import MAX_GENERATED, resolve_task_args
 
@@ -186,6 +187,12 @@ class GRPOConfig:
     advantage_estimator: str = opt("grpo", "grpo")
     # the KL term's per-token estimator of KL(pi || ref): k1, k2, k3 or low_var_kl (k3 clamped)
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = opt("k3", "loss")
+    # each token's policy-gradient loss (losses.py; docs/guide.md): grpo (PPO's
+    # clip), dual_clip, gspo, cispo, sapo, or package.module:function
+    policy_loss: str = opt("grpo", "loss")
+    dual_clip_c: float = opt(3.0, "loss", "[1, 1e6]")  # dual_clip: a loss at most c x |A|, A < 0
+    sapo_tau_pos: float = opt(1.0, "loss", "(0, 1e6]")  # sapo's gate temperature, A > 0
+    sapo_tau_neg: float = opt(1.05, "loss", "(0, 1e6]")  # and A < 0
     # the loss over tokens: grpo = mean per sequence, then over sequences; dapo = sum over
     # all tokens / their number in the global batch; dr_grpo = sum / (rows x max_new_tokens)
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
@@ -320,6 +327,9 @@ class GRPOConfig:
             raise ConfigError(f"advantage_estimator: unknown estimator "
                               f"{self.advantage_estimator!r} (available: "
                               f"{', '.join(ADVANTAGES)}; or package.module:function)")
+        if self.policy_loss not in POLICY_LOSSES and ":" not in self.policy_loss:
+            raise ConfigError(f"policy_loss: unknown loss {self.policy_loss!r} (available: "
+                              f"{', '.join(POLICY_LOSSES)}; or package.module:function)")
         if self.tools and self.environment:
             raise ConfigError("environment: runs in place of the tool loop; an environment "
                               "that uses tools calls them itself (set tools: [])")

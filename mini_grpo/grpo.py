@@ -1,28 +1,20 @@
-"""The GRPO loss as a pure tensor function, and the KL estimators it takes by name
-(KL_ESTIMATORS). The advantages it is given come from advantages.py.
+"""The GRPO loss as a pure tensor function, with what it takes by name: the policy loss of each
+token (losses.py: grpo, dual_clip, gspo, cispo, sapo; or a user's package.module:function)
+and the KL estimator (KL_ESTIMATORS). The advantages it is given come from advantages.py.
 
-Shapes: B sequences (prompts x group size, flattened group-major), T completion tokens, V vocab.
+Shapes: B sequences (prompts x group size, flattened group-major), T completion tokens.
 
-Loss variants are parameters, not switches spread through the trainer:
-  scale_rewards  group: (r - group mean) / (group std + eps)     (GRPO)
-                 batch: (r - group mean) / (batch std + eps)
-                 none:  r - group mean                            (Dr. GRPO)
-  loss_agg       grpo:    mean over each sequence's tokens, then over sequences
-                 dapo:    sum over all tokens / number of tokens in the global batch
-                 dr_grpo: sum over all tokens / (rows x max_new_tokens), every row of
-                          the batch counted, those that carry no loss (dynamic sampling,
-                          mask_truncated) too: a constant, as Dr. GRPO and TRL have it
-Per token: clipped surrogate -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) with
-r = exp(logp - old_logp), plus beta * KL(pi || ref) by `kl_estimator` (KL_ESTIMATORS: k3,
+Per token: the policy loss (grpo's is the clipped surrogate -min(r A, clip(r, 1 - eps_low,
+1 + eps_high) A) with r = exp(logp - old_logp)), weighted by the rollout engine's importance
+correction where one sampled, plus beta * KL(pi || ref) by `kl_estimator` (k3,
 exp(ref - logp) - (ref - logp) - 1, by default). Both exponents are masked before the
-exponential: at a
-padded position the reference log-prob is 0 and the policy's may be -95, and exp(95) = inf
-times a 0 mask is NaN, in the loss and in its gradient.
-
-The group std is the population std (divide by G), not the sample std TRL and verl use (divide
-by G - 1, advantages x0.94 at G = 8): with it a group's advantages have exactly unit variance,
-and the default learning rate was tuned with it. Only the scale of the advantages differs,
-which the learning rate absorbs.
+exponential: at a padded position the reference log-prob is 0 and the policy's may be -95,
+and exp(95) = inf times a 0 mask is NaN, in the loss and in its gradient. Then over tokens:
+  loss_agg  grpo:    mean over each sequence's tokens, then over sequences
+            dapo:    sum over all tokens / number of tokens in the global batch
+            dr_grpo: sum over all tokens / (rows x max_new_tokens), every row of the batch
+                     counted, those that carry no loss (dynamic sampling, mask_truncated)
+                     too: a constant, as Dr. GRPO and TRL have it
 
 The normalisers (`num_seqs`, `num_tokens`) are for the *global* batch, so summing the losses of
 micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
@@ -36,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from .losses import PolicyInputs, policy_terms
 from .options import keys_with
 
 
@@ -50,6 +43,10 @@ class LossSettings:
     max_new_tokens: int | None  # dr_grpo's constant
     vllm_is_cap: float  # truncated importance sampling of the engine's samples; 0 = off
     kl_estimator: str  # KL_ESTIMATORS' name: k1 | k2 | k3 | low_var_kl
+    policy_loss: str  # POLICY_LOSSES' name, or package.module:function
+    dual_clip_c: float  # dual_clip's bound on a negative advantage's loss: c x |A|
+    sapo_tau_pos: float  # sapo's gate temperature where the advantage is positive
+    sapo_tau_neg: float  # and where it is negative
 
     @classmethod
     def default(cls, **changes) -> LossSettings:
@@ -121,15 +118,14 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
     policy-gradient term (not the KL term) of each token is weighted by truncated importance
     sampling (`engine_is_weight`), and the stats say how far the two disagree.
     """
-    beta, eps_low, eps_high, agg = s.beta, s.epsilon_low, s.epsilon_high, s.loss_agg
+    beta, agg = s.beta, s.loss_agg
     keep, m = mask.bool(), mask.float()
     num_seqs = logp.size(0) if num_seqs is None else num_seqs
     num_tokens = m.sum() if num_tokens is None else num_tokens
     num_rows = logp.size(0) if num_rows is None else num_rows
     A = adv[:, None]  # (B, 1)
-    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))  # (B, T), 1 where masked
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    per_token = -torch.min(ratio * A, clipped * A)
+    terms = policy_terms(PolicyInputs(logp, old_logp, A, keep, s))
+    per_token, ratio = terms.per_token, terms.ratio
     zero = torch.zeros((), device=logp.device)
     diff = engine_kl = zero
     if engine_logp is not None:
@@ -158,8 +154,8 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
     with torch.no_grad():  # tensors, not floats: no host sync per micro-batch
         stats = LossStats(
             kl=_masked_mean(kl, m) if kl is not None else zero,
-            clip_low=_masked_mean(((ratio < 1 - eps_low) & (A < 0)).float(), m),
-            clip_high=_masked_mean(((ratio > 1 + eps_high) & (A > 0)).float(), m),
+            clip_low=_masked_mean(terms.clipped_low.float(), m),
+            clip_high=_masked_mean(terms.clipped_high.float(), m),
             ratio=_masked_mean(ratio, m),
             entropy=_masked_mean(entropy, m) if entropy is not None else zero,
             engine_diff=diff, engine_kl=engine_kl)

@@ -263,9 +263,10 @@ def foreign_code(cfg: GRPOConfig) -> dict[str, list[str]]:
             "environment": [cfg.environment] if cfg.environment else []}
 
 
-# Fields that name code only training runs (a user's advantage estimator): the commands that
-# read a checkpoint drop the checkpoint's value for the default, unless the user names it.
-TRAINING_CODE = ("advantage_estimator",)
+# Fields that name code only training runs (a user's advantage estimator, policy loss): the
+# commands that read a checkpoint drop the checkpoint's value for the default, unless the user
+# names it.
+TRAINING_CODE = ("advantage_estimator", "policy_loss")
 
 
 NAME_IT = {"rewards": ("--rewards='[{{name: {}}}]'", "--rewards=null for the task's defaults"),

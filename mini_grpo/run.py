@@ -46,6 +46,7 @@ from .engines.turns import ToolSetup
 from .limits import check_lengths, check_sft_lengths, check_step_memory, check_world
 from .logger import RunLogger
 from .lora import ADAPTER_FILES, LoRAFacts, is_lora, store_base_in
+from .losses import resolve_policy_loss
 from .models import CausalLM, build, spec
 from .models.hf import WRITTEN
 from .outputs import check_in_place, check_replaceable, claim_run_dir
@@ -196,8 +197,9 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None
         if data is not None:
             scorer = RewardScorer.from_config(cfg, data)
-        if train and "grpo" in cfg.mode:  # a user's estimator is imported now, before any work
+        if train and "grpo" in cfg.mode:  # a user's own is imported now, before any work
             resolve_advantage(cfg.advantage_estimator)
+            resolve_policy_loss(cfg.policy_loss)
         sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
         # under fsdp, a pretrained model or a random init is read (drawn) by rank 0 alone and
         # sent to the others' shards, which start on the meta device: a node holds one copy

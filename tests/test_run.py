@@ -181,10 +181,11 @@ def test_code_a_checkpoint_names_is_never_imported(checkpoint, tmp_path, field):
 
 def test_an_advantage_estimator_a_checkpoint_names_is_dropped_never_imported(checkpoint,
                                                                             tmp_path):
-    """Only training computes advantages: evaluate, sample and rft-generate take the
-    default; a resume takes the user's config's."""
+    """Only training computes advantages and losses: evaluate, sample and rft-generate take
+    the defaults of advantage_estimator and policy_loss; a resume takes the user's config's."""
     (tmp_path / "planted.py").write_text(PLANTED)
-    path = tampered(checkpoint, tmp_path, advantage_estimator="planted:adv")
+    path = tampered(checkpoint, tmp_path, advantage_estimator="planted:adv",
+                    policy_loss="planted:loss")
     for args in (["evaluate", "--num_eval=2"], ["sample", "--prompt", "e2e4",
                                                 "--max_new_tokens=2"]):
         r = mini_grpo_cmd(tmp_path, *args, "--checkpoint", str(path))
