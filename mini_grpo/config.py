@@ -150,9 +150,12 @@ class GRPOConfig:
     environment: str = opt("", "sft rft_data resume")
     # 0: from the GPU share; on a CPU, one step's rows
     vllm_kv_cache_gib: float = opt(0.0, "run", "[0, 1e6]")
-    # truncated importance sampling: min(exp(logp_old - logp_vllm), cap) weights each
-    # token's policy-gradient term (TRL and verl use about 2); 0 = off
+    # importance sampling of vLLM's samples: exp(logp_old - logp_vllm) weights each token's
+    # policy-gradient term, truncated to this cap (TRL and verl use about 2); 0 = off
     vllm_is_cap: float = opt(2.0, "loss", "[0, 1e6]")
+    # the ratio of each token, or of its whole sequence; past the cap truncated, or masked
+    vllm_is_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                          "sequence_mask"] = opt("token_truncate", "loss")
 
     # ---- GRPO ----
     max_steps: int = opt(150, "grpo", "1..10000000", env="MAX_STEPS")  # GRPO steps
@@ -197,6 +200,9 @@ class GRPOConfig:
     # all tokens / their number in the global batch; dr_grpo = sum / (rows x max_new_tokens)
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
     dynamic_sampling: bool = opt(False, "grpo")  # drop groups whose rewards are all equal
+    # off-policy sequence masking (DeepSeek-V3.2): a row of negative advantage whose policy is
+    # more than this (mean log pi_sampler - log pi) from the sampler's carries no loss; 0 = off
+    off_policy_mask: float = opt(0.0, "loss", "[0, 1e6]")
     # rows that hit max_new_tokens without EOS carry no loss (DAPO); see overlong_penalty
     mask_truncated: bool = opt(False, "grpo")
 

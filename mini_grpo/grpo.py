@@ -22,6 +22,7 @@ micro-batches (and of ranks, for DDP) gives the loss of the whole batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -41,7 +42,9 @@ class LossSettings:
     epsilon_high: float
     loss_agg: str  # grpo | dapo | dr_grpo
     max_new_tokens: int | None  # dr_grpo's constant
-    vllm_is_cap: float  # truncated importance sampling of the engine's samples; 0 = off
+    vllm_is_cap: float  # importance sampling of the engine's samples past which; 0 = off
+    vllm_is_mode: str  # token | sequence ratio, truncated or masked past the cap
+    off_policy_mask: float  # off-policy sequence masking's threshold; 0 = off
     kl_estimator: str  # KL_ESTIMATORS' name: k1 | k2 | k3 | low_var_kl
     policy_loss: str  # POLICY_LOSSES' name, or package.module:function
     dual_clip_c: float  # dual_clip's bound on a negative advantage's loss: c x |A|
@@ -76,17 +79,37 @@ class LossStats(NamedTuple):
     engine_kl: torch.Tensor  # KL(engine || trainer), k3 on the engine's samples
 
 
-def engine_is_weight(old_logp, engine_logp, mask, cap: float):
-    """Truncated importance sampling (TRL's and verl's vLLM correction): the rollout was
-    sampled by an engine whose log-probs differ from the trainer's (other kernels, other
-    precision), so each token's policy-gradient term is weighted by
-    min(exp(logp_old - logp_engine), cap), detached: (B, T), 1 where masked; None when cap
-    is 0 (off). Also returns the mismatch's token means (|logp_old - logp_engine|, and
-    KL(engine || trainer) by the k3 estimator on the engine's samples), for the metrics."""
+def engine_is_weight(old_logp, engine_logp, mask, cap: float, mode: str = "token_truncate"):
+    """Importance sampling of the engine's samples (TRL's and verl's vLLM correction): the
+    rollout was sampled by an engine whose log-probs differ from the trainer's (other
+    kernels, other precision), so each token's policy-gradient term is weighted, detached,
+    by the ratio trainer / engine of (`mode`) its token or its whole sequence (the product of
+    its tokens'), past `cap` truncated to it or masked to 0: (B, T), 1 where masked; None
+    when cap is 0 (off). Also returns the mismatch's token means (|logp_old - logp_engine|,
+    and KL(engine || trainer) by the k3 estimator on the engine's samples), for the metrics."""
     keep, m = mask.bool(), mask.float()
     d = torch.where(keep, old_logp.detach() - engine_logp, 0.0)  # log(trainer / engine)
-    weight = torch.exp(d).clamp(max=cap) if cap > 0 else None
+    weight = None
+    if cap > 0:
+        level, how = mode.split("_")
+        log_w = d if level == "token" else d.sum(1, keepdim=True).expand_as(d)
+        w = torch.exp(log_w.clamp(max=math.log(cap) + 1.0))  # past the cap either way
+        weight = w.clamp(max=cap) if how == "truncate" else torch.where(w > cap, 0.0, w)
+        weight = torch.where(keep, weight, 1.0)
     return weight, _masked_mean(d.abs(), m), _masked_mean(torch.exp(d) - 1 - d, m)
+
+
+def off_policy_mask(logp, sampled_logp, adv, mask, threshold: float) -> torch.Tensor | None:
+    """Off-policy sequence masking (DeepSeek-V3.2): a row whose advantage is negative and
+    whose policy has drifted from the one that sampled it by more than `threshold` (the mean
+    over its tokens of log pi_sampler - log pi, a KL estimate) carries no loss: pushing such a
+    sample down teaches little and destabilises. (B, 1) bool of the rows kept; None when off."""
+    if threshold <= 0:
+        return None
+    m = mask.float()
+    kl = (torch.where(mask.bool(), sampled_logp - logp.detach(), 0.0).sum(1)
+          / m.sum(1).clamp(min=1))
+    return ~((adv < 0) & (kl > threshold))[:, None]
 
 
 # ---- KL estimators, by name (kl_estimator): d = log ref - log pi per token -> KL(pi || ref)
@@ -129,9 +152,14 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
     zero = torch.zeros((), device=logp.device)
     diff = engine_kl = zero
     if engine_logp is not None:
-        weight, diff, engine_kl = engine_is_weight(old_logp, engine_logp, mask, s.vllm_is_cap)
+        weight, diff, engine_kl = engine_is_weight(old_logp, engine_logp, mask, s.vllm_is_cap,
+                                                   s.vllm_is_mode)
         if weight is not None:
             per_token = per_token * weight
+    kept = off_policy_mask(logp, old_logp if engine_logp is None else engine_logp, adv, mask,
+                           s.off_policy_mask)
+    if kept is not None:  # the rows still count in the normalisers: their loss is 0
+        per_token = per_token * kept
     kl = None
     if beta != 0.0:
         if ref_logp is None:

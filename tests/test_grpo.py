@@ -196,6 +196,38 @@ def test_truncated_importance_sampling_by_hand():
     torch.testing.assert_close(logp.grad[0], torch.tensor([-4.0, -2 * math.exp(0.1), -2]) / 4)
 
 
+@pytest.mark.parametrize("mode, w0, w1", [
+    # the same tokens (d = 0.7, 0.1, 0.0 | -0.5), cap 2: a token's ratio, or the sequence's
+    # (row 0: e^0.8 = 2.23, row 1: e^-0.5), truncated to the cap or masked past it
+    ("token_truncate", [2.0, math.exp(0.1), 1.0], math.exp(-0.5)),
+    ("token_mask", [0.0, math.exp(0.1), 1.0], math.exp(-0.5)),
+    ("sequence_truncate", [2.0, 2.0, 2.0], math.exp(-0.5)),
+    ("sequence_mask", [0.0, 0.0, 0.0], math.exp(-0.5)),
+])
+def test_every_importance_sampling_mode_by_hand(mode, w0, w1):
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
+    engine = old - torch.tensor([[0.7, 0.1, 0.0], [-0.5, 3.0, 3.0]])
+    logp = old.clone().requires_grad_()
+    loss, _ = grpo_loss(logp, old, ADV, MASK, settings(loss_agg="dapo", vllm_is_cap=2.0,
+                                                       vllm_is_mode=mode), engine_logp=engine)
+    assert loss.item() == pytest.approx((-2 * sum(w0) + w1) / 4, rel=1e-6)
+    loss.backward()  # the weights carry no gradient of their own
+    torch.testing.assert_close(logp.grad[0], torch.tensor([-2 * w for w in w0]) / 4)
+
+
+def test_off_policy_sequence_masking_drops_drifted_rows_of_negative_advantage():
+    # the sampler's log-probs 0.5 above the policy's on every token: a drift of 0.5 per token
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]])).requires_grad_()
+    sampled = logp.detach() + 0.5
+    plain, _ = grpo_loss(logp, logp.detach(), ADV, MASK, settings(loss_agg="dapo"))
+    for threshold, kept in ((0.4, [1.0, 0.0]), (0.6, [1.0, 1.0]), (0.0, [1.0, 1.0])):
+        s = settings(loss_agg="dapo", off_policy_mask=threshold)
+        loss, _ = grpo_loss(logp, logp.detach(), ADV, MASK, s, engine_logp=sampled)
+        # ratio 1: row 0 (A = 2) -2 per token, row 1 (A = -1) +1, over the batch's 4 tokens
+        assert loss.item() == pytest.approx((-2 * 3 * kept[0] + 1 * kept[1]) / 4), threshold
+    assert plain.item() == pytest.approx((-6 + 1) / 4)
+
+
 def test_without_a_cap_the_engine_is_measured_but_not_corrected():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
     engine = old - 0.3
