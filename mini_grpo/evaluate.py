@@ -9,6 +9,7 @@ chess's valid-FEN rate, and the same figures per bucket (chess: ply ranges). Kno
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,7 +50,11 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
     texts, lengths, talks, counts, env = [], [], [], [], []
+    started, mode = time.monotonic(), "greedy" if greedy else "sampled"
     for i in range(0, len(examples), batch_size):
+        # a long evaluation says how far it is: a slow machine is not a hung one
+        run.print0(f"[eval] {mode}: {i}/{len(examples)} completions of {len(task.eval)} "
+                   f"held-out prompts ({time.monotonic() - started:.0f} s)")
         # before each batch, the pages of what training or the batch before freed go back:
         # in a heap that training left in pieces, each batch's caches land in new places
         release_freed_memory(run.device)

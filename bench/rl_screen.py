@@ -1,0 +1,103 @@
+"""Short GRPO runs from one saved SFT checkpoint, one variant after the other, for screening
+the levers of issue 70 (learning rate, losses, estimators, group size, ...) before any gets the
+full budget and 3 seeds:
+
+    .venv/bin/python bench/rl_screen.py --sft runs/screen_sft/sft/step_0000060.pt --steps 25 \\
+        --json bench/rl_screen_<cpu>.json base: lr_2e-5:--lr=2e-5 rloo:--advantage_estimator=rloo
+
+Each variant is `NAME:FLAGS` (FLAGS split on spaces, added to the LM job's config with
+--mode=grpo from the checkpoint). The screen chooses on the training reward alone (its mean over
+the last third of the steps against the first third), never on the held-out set a result will
+be reported on: the runs hold out `--num_eval` questions (default 50: the evaluations before and
+after are short) and their held-out accuracy is recorded but not a criterion. Also recorded:
+the diagnostics of a flat reward (zero_spread_frac, update_size, grad_norm, entropy, clip
+fractions), the median step time and the peak RSS (wait4). The JSON gains each run as it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from outfile import claim  # noqa: E402
+
+from mini_grpo.dtype_probe import cpu_name  # noqa: E402
+
+DIAGNOSTICS = ("reward/mean", "zero_spread_frac", "update_size", "grad_norm", "entropy",
+               "clip_low", "clip_high", "completion_len/mean")
+
+
+def run_variant(name: str, flags: list[str], a) -> dict:
+    out = ROOT / "runs" / "rl_screen" / name
+    argv = [sys.executable, str(ROOT / "distributed_train.py"), "--config", "smollm2_numeric",
+            "--mode=grpo", f"--init_from={a.sft}", f"--max_steps={a.steps}", "--max_minutes=0",
+            f"--num_eval={a.num_eval}", f"--out_dir={out}", f"--seed={a.seed}",
+            "--resume=never", "--save_every=100000", "--report_to=[]", *flags]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(("[eval]", "[mini-grpo] step")) or "error" in line.lower():
+            print(f"  {name}: {line.rstrip()}", flush=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name}: exit {os.waitstatus_to_exitcode(status)}\n"
+                         + "".join(lines[-20:]))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").open()]
+    steps = [r for r in rows if "reward/mean" in r and "step" in r]
+    third = max(1, len(steps) // 3)
+    ev = json.loads((out / "eval.json").read_text())
+
+    def mean(key, part):
+        vals = [r[key] for r in part if key in r]
+        return round(statistics.fmean(vals), 6) if vals else None
+
+    return {"name": name, "flags": flags, "steps": len(steps),
+            "reward_first_third": mean("reward/mean", steps[:third]),
+            "reward_last_third": mean("reward/mean", steps[-third:]),
+            "diagnostics_mean": {k: mean(k, steps) for k in DIAGNOSTICS},
+            "median_step_s": round(statistics.median(r["time/step"] for r in steps), 2),
+            "wall_min": round((time.monotonic() - t0) / 60, 2),
+            "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
+            # recorded, never a criterion of the screen
+            "held_out": {stage: {mode: ev[stage][mode].get("correct") for mode in ev[stage]}
+                         for stage in ev if isinstance(ev[stage], dict)
+                         and "greedy" in ev[stage]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sft", required=True, help="the SFT stage's checkpoint to start from")
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--num_eval", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--json", help="add each run to this file (one this script wrote)")
+    ap.add_argument("variants", nargs="+", help="NAME:FLAGS ('base:' for the job's own)")
+    a = ap.parse_args()
+    save = claim(a.json, __file__)
+    result = json.loads(Path(a.json).read_text()) if a.json and Path(a.json).is_file() else {}
+    result.update({"cpu": cpu_name(), "sft": a.sft, "steps": a.steps, "seed": a.seed})
+    result.setdefault("runs", [])
+    for spec in a.variants:
+        name, _, flags = spec.partition(":")
+        print(f"[screen] {name}: {flags or '(the job as it is)'}", flush=True)
+        r = run_variant(name, flags.split(), a)
+        print(f"[screen] {name}: train reward {r['reward_first_third']} -> "
+              f"{r['reward_last_third']}, update_size {r['diagnostics_mean']['update_size']}",
+              flush=True)
+        result["runs"] = [x for x in result["runs"] if x["name"] != name] + [r]
+        save(result, indent=2)
+
+
+if __name__ == "__main__":
+    main()
