@@ -58,6 +58,7 @@ def env_name(env) -> str:
 
 ANSWER_ROLES = ("tool", "user", "system")  # who may answer the model's turn
 MAX_CHARS = 1 << 20  # a message's value: the chat template's bound on any one value
+MAX_COUNT = 1 << 24  # a step's calls: the rollout counts them in float32, exact to 2**24
 
 
 def clean_text(text: str) -> str:
@@ -90,7 +91,8 @@ def check_messages(messages, where: str, roles: tuple[str, ...] | None = None) -
 def checked_step(step, env) -> Step:
     """What environment `env`'s step() returned, checked: a Step of messages, a bool `done`,
     reward parts that are finite numbers within +-MAX_REWARD (a reward plugin's bound),
-    counts >= 0 (EnvError if not)."""
+    counts in 0..MAX_COUNT, of which failed at most calls (EnvError if not; 2**64 calls was
+    an OverflowError)."""
     where = f"environment {env_name(env)}: step()"
     if not isinstance(step, Step):
         raise EnvError(f"{where} returned {show(step)}, not a mini_grpo.envs.Step")
@@ -106,8 +108,10 @@ def checked_step(step, env) -> Step:
                            f"finite number within +-{MAX_REWARD:g}")
     for name in ("calls", "failed"):
         v = getattr(step, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise EnvError(f"{where}: {name} must be an int >= 0, got {show(v)}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+            raise EnvError(f"{where}: {name} must be an int in 0..{MAX_COUNT}, got {show(v)}")
+    if step.failed > step.calls:
+        raise EnvError(f"{where}: failed ({step.failed}) must be at most calls ({step.calls})")
     return step
 
 

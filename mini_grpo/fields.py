@@ -52,9 +52,10 @@ _SHORT.maxlevel = 3
 
 
 def show(value: Any) -> str:
-    """repr() cut to a line's worth, and bounded in time for huge or shared structures."""
+    """repr() cut to a line's worth, on one line (a tensor's has breaks), and bounded in time
+    for huge or shared structures."""
     try:
-        return _SHORT.repr(value)
+        return " ".join(line.strip() for line in _SHORT.repr(value).splitlines())
     except ValueError:  # an int over Python's int-string limit
         return f"<{type(value).__name__} too large to show>"
 

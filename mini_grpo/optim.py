@@ -7,6 +7,8 @@ import math
 import torch
 from torch.autograd.graph import increment_version
 
+from .fields import show
+
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
                    betas=(0.9, 0.99), fused: bool = True) -> torch.optim.AdamW:
@@ -104,7 +106,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter t
 # capturable and differentiable kernels one of ours may not have (CPU, fused)
 FIXED_FLAGS = ("amsgrad", "capturable", "differentiable")
 UNSET_FLAGS = ("foreach", "fused")  # None: torch picks
-FLOAT32_MAX = torch.finfo(torch.float32).max  # the kernels take the groups' numbers as float
+FLOAT32 = torch.finfo(torch.float32)  # what the kernels compute the groups' numbers in
+# a group's numbers at most: the config's lr bound. lr / (1 - beta1**step) overflowed float32
+# from lr = 6.5e37 (an exception in the step); an eps float32 holds as 0 made 0 / 0 = NaN
+# of a moment no gradient wrote
+MAX_GROUP_NUMBER = 1e6
 
 
 def check_state(opt: torch.optim.Optimizer, state) -> None:
@@ -127,8 +133,10 @@ def check_state(opt: torch.optim.Optimizer, state) -> None:
     params: dict = {}  # saved key -> this model's parameter, paired in order as torch does
     for i, (g, h) in enumerate(zip(saved, now)):
         for key, value in g.items():
-            if key != "params":
-                _check_group_value(f"optimizer.param_groups[{i}].{key}", value, h, key)
+            if key != "params":  # a key of ours is a name; another is shown as it is
+                _check_group_value(f"optimizer.param_groups[{i}]" + (
+                    f".{key}" if isinstance(key, str) and key.isidentifier()
+                    else f"[{show(key)}]"), value, h, key)
         # torch fills in a missing flag (an older torch's group), not a missing number
         missing = [k for k, v in h.items() if k not in g and not (v is None or
                                                                 isinstance(v, bool))]
@@ -136,18 +144,18 @@ def check_state(opt: torch.optim.Optimizer, state) -> None:
             raise ValueError(f"optimizer.param_groups[{i}]: has no {missing[0]!r}")
         for k, p in zip(g["params"], h["params"]):
             if not isinstance(k, int | str) or isinstance(k, bool) or k in params:
-                raise ValueError(f"optimizer.param_groups[{i}].params: {k!r} is not a "
+                raise ValueError(f"optimizer.param_groups[{i}].params: {show(k)} is not a "
                                  f"parameter's index (or name), once")
             params[k] = p
     amsgrad = any(h.get("amsgrad") for h in now)
     for k, entry in state["state"].items():
-        where = f"optimizer.state[{k!r}]"
+        where = f"optimizer.state[{show(k)}]"
         if k not in params or not isinstance(entry, dict):
             raise ValueError(f"{where}: not a dict of a parameter the groups list")
         p, want = params[k], {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"}
                                                                  if amsgrad else set())
         if set(entry) != want:
-            raise ValueError(f"{where}: holds {sorted(map(str, entry))}, AdamW's are "
+            raise ValueError(f"{where}: holds {show(sorted(map(str, entry)))}, AdamW's are "
                              f"{sorted(want)}")
         step = entry["step"]
         if isinstance(step, torch.Tensor):
@@ -169,13 +177,14 @@ def check_state(opt: torch.optim.Optimizer, state) -> None:
 
 def _number(x) -> bool:
     """A number float32 holds (a huge int too: compared, never converted)."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and abs(x) <= FLOAT32_MAX
+    return isinstance(x, int | float) and not isinstance(x, bool) and abs(x) <= FLOAT32.max
 
 
 def _check_group_value(where: str, value, group: dict, key: str) -> None:
     """A saved param group's value against this optimizer's value of `key`: a flag stays a
-    bool (or None, where torch picks: UNSET_FLAGS), one of FIXED_FLAGS ours; a number is one
-    float32 holds, >= 0 (eps > 0); a tuple (betas) is as long, of numbers in [0, 1)."""
+    bool (or None, where torch picks: UNSET_FLAGS), one of FIXED_FLAGS ours; a number is in
+    [0, MAX_GROUP_NUMBER] (eps a normal float32 > 0); a tuple (betas) is as long, of numbers
+    in [0, 1)."""
     if key not in group:
         raise ValueError(f"{where}: not a key of this optimizer's groups")
     ours = group[key]
@@ -186,9 +195,10 @@ def _check_group_value(where: str, value, group: dict, key: str) -> None:
         ok = isinstance(value, tuple | list) and len(value) == len(ours) and all(
             _number(x) and 0 <= x < 1 for x in value)
     elif _number(ours):
-        ok = _number(value) and value >= 0 and (value > 0 or key != "eps")
+        ok = _number(value) and 0 <= value <= MAX_GROUP_NUMBER and (
+            key != "eps" or value >= FLOAT32.tiny)
     else:  # a kind of value this check does not know: it must be the same
         ok = type(value) is type(ours) and value == ours
     if not ok:
-        raise ValueError(f"{where}: {value!r} is not a value it takes (this optimizer's: "
+        raise ValueError(f"{where}: {show(value)} is not a value it takes (this optimizer's: "
                          f"{ours!r})")

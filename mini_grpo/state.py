@@ -234,8 +234,8 @@ GUARD_FIELDS = {"skipped": (_count, "an integer >= 0"),
                 "lr_scale": (lambda x: _finite(x, 2**-1074, 1.0), "a number in (0, 1]"),
                 "amp": (lambda x: isinstance(x, bool), "true or false")}
 # the scaler keeps its scale and growth tracker in float32 and int32 tensors
-SCALER_FIELDS = {"scale": (lambda x: _finite(x, 2**-126, 2**127),
-                           "a number in [2**-126, 2**127]"),
+SCALER_FIELDS = {"scale": (lambda x: _finite(x, 2**-149, 2**127),
+                           "a number in [2**-149, 2**127]"),
                  "growth_factor": (lambda x: _finite(x, 1.0, 2**16), "a number in [1, 65536]"),
                  "backoff_factor": (lambda x: _finite(x, 2**-1074, 1.0), "a number in (0, 1]"),
                  "growth_interval": (lambda x: _count(x) and x > 0, "an integer >= 1"),
@@ -259,15 +259,16 @@ def check_train_state(ckpt: dict, source: str) -> None:
         raise bad("logged", "an integer >= 0 (metrics.jsonl's size) or null", ckpt["logged"])
     if "optimizer" in ckpt and not isinstance(ckpt["optimizer"], dict):
         raise bad("optimizer", "an optimizer state (a dict)", ckpt["optimizer"])
-    # a guard's missing field keeps its default; torch's scaler reads every field (a
-    # disabled scaler saves none)
-    for name, fields, some in (("guard", GUARD_FIELDS, True), ("scaler", SCALER_FIELDS, False)):
+    for name, fields in (("guard", GUARD_FIELDS), ("scaler", SCALER_FIELDS)):
         entry = ckpt.get(name, {})
-        if not isinstance(entry, dict) or not set(entry) <= set(fields) or not (
-                some or not entry or set(entry) == set(fields)):
-            raise bad(name, f"a dict of {', '.join(fields)}" + ("" if some else
-                                                               " (all, or none)"), entry)
+        if not isinstance(entry, dict) or not set(entry) <= set(fields):
+            raise bad(name, f"a dict of {', '.join(fields)}", entry)
         for key, value in entry.items():
             ok, what = fields[key]
             if not ok(value):
                 raise bad(f"{name}.{key}", what, value)
+    # a guard's missing field keeps its default; torch's scaler reads every one (a disabled
+    # scaler saves none)
+    scaler = ckpt.get("scaler", {})
+    if scaler and set(scaler) != set(SCALER_FIELDS):
+        raise bad("scaler", f"all of {', '.join(SCALER_FIELDS)}, or none", scaler)

@@ -158,6 +158,30 @@ def test_an_environment_that_raises_in_init_or_reset_breaks_its_row_alone(tmp_pa
     assert ": reset(): raised RuntimeError: reset broke; its row ends" in warned[1]
 
 
+def test_a_reset_raising_any_base_exception_but_ctrl_c_breaks_its_row(tmp_path):
+    """A SystemExit or a BaseException whose str() raises, from reset or __init__, was out
+    of the rollout (a traceback); Ctrl-C still stops the run."""
+    ours, _ = tokenizers(tmp_path, CHATML)
+
+    class Exits:
+        def __init__(self):
+            if made:
+                raise made.pop()
+
+        def reset(self, example):
+            raise SystemExit(3) if example == "a" else Unprintable()
+
+        def step(self, reply):
+            return Step([], done=True)
+
+    made = [GeneratorExit()]
+    turns = Turns(ToolSetup(Exits, 4, 10.0, rewards=True), ours, ["x", "a", "b"])
+    assert broken(turns) == [1, 1, 1]
+    made = [KeyboardInterrupt()]
+    with pytest.raises(KeyboardInterrupt):
+        Turns(ToolSetup(Exits, 4, 10.0, rewards=True), ours, ["a"])
+
+
 def test_an_environment_on_a_model_without_a_chat_template_is_refused_at_setup(tmp_path):
     from mini_grpo.run import setup
 

@@ -16,6 +16,9 @@ export and rft-generate, with the property that no file but the command's own ou
 What they found is in tests/test_untrusted.py.
 """
 
+import copy
+import dataclasses
+import functools
 import json
 import resource
 import shutil
@@ -26,13 +29,15 @@ import hypothesis_profiles  # noqa: F401  (registers and loads the profiles)
 import pytest
 import torch
 from conftest import CHATML, ROOT, tiny_lm_dir
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_untrusted import tiny_checkpoint
 
 from mini_grpo.chat_template import ChatTemplate
 from mini_grpo.checkpoint import CheckpointError
 from mini_grpo.config import GRPOConfig, load_config, parse_cli
+from mini_grpo.envs import MAX_CHARS as ENV_MAX_CHARS
+from mini_grpo.envs import Step
 from mini_grpo.fields import ConfigError
 from mini_grpo.scoring import RewardError
 from mini_grpo.tasks.jsonl import load_jsonl
@@ -665,3 +670,345 @@ def test_fuzz_llama3_and_mistral_calls_come_back_as_messages(bodies, shape, tail
             out = run_call({"calculator": calculator}, c, max_chars=500)
             assert isinstance(out, str) and len(out) <= 540
     within_bounds(go, seconds=10, mib=128)
+
+
+# --- resume state: a checkpoint's step, guard, loss scaler and optimizer state ---------------
+
+GROUP_KEYS = ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+              "capturable", "differentiable", "fused", "decoupled_weight_decay", "params"]
+STATE_KEYS = ["step", "guard", "scaler", "logged", "optimizer", "state", "param_groups",
+              "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "skipped", "next_rung", "lr_scale",
+              "amp", "scale", "growth_factor", "backoff_factor", "growth_interval",
+              "_growth_tracker", *GROUP_KEYS]
+SHAPES = [(24, 32), (64, 32), (32,), (96, 32), (96,), (32, 32), (128, 32), (128,), (32, 128),
+          (), (0,), (1,), (3,), (32, 24), (24, 32, 1)]  # the tiny GPT's, and others
+DTYPES = [torch.float32, torch.float32, torch.float64, torch.bfloat16, torch.float16,
+          torch.int64, torch.bool]
+FILLS = [0.0, 1e-3, -1.0, 1e-45, 3e38, -3e38, float("nan"), float("inf"), "randn"]
+
+
+class Made:
+    """A drawn tensor, made where it is set and shown by how (its repr would be a page)."""
+
+    def __init__(self, how: str, make):
+        self.how, self.make = how, make
+
+    def __repr__(self):
+        return self.how
+
+
+@st.composite
+def tensors(draw) -> Made:
+    shape = draw(st.sampled_from(SHAPES) | st.lists(st.integers(0, 4), max_size=3).map(tuple))
+    fill, dtype = draw(st.sampled_from(FILLS)), draw(st.sampled_from(DTYPES))
+    return Made(f"{fill}, {list(shape)}, {dtype}", lambda: (
+        torch.randn(shape) if fill == "randn" else torch.full(shape, fill)).to(dtype))
+
+
+STATE_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), UNICODE,
+    st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 10**300, 2**1100, 1e300, 1e-320]),
+    st.tuples(st.floats(), st.floats()), st.lists(st.floats() | st.integers(-1, 40), max_size=3),
+    VALUES, tensors())
+
+
+def like(old):
+    """Values of the kind `old` is (a tensor of its shape or dtype, another number, flag or
+    pair): what passes a type check and tests the ranges behind it."""
+    if isinstance(old, torch.Tensor):
+        return st.one_of(
+            st.tuples(st.sampled_from(FILLS[:-1]), st.sampled_from(DTYPES)).map(
+                lambda d: Made(f"{d[0]}, its shape, {d[1]}",
+                               lambda: torch.full(old.shape, d[0]).to(d[1]))),
+            st.sampled_from([1e-30, 1e-3, -1.0, 1e3, 1e30, 3e38]).map(
+                lambda k: Made(f"it * {k}", lambda: (old.double() * k).to(old.dtype))),
+            st.sampled_from(DTYPES).map(lambda d: Made(f"it as {d}", lambda: old.to(d))),
+            tensors())
+    if isinstance(old, bool) or old is None:
+        return st.sampled_from([True, False, None])
+    if isinstance(old, int | float):
+        return st.one_of(st.floats(), st.integers(-2**70, 2**70), st.sampled_from(
+            [0, 1, 2**31 - 1, 2**31, 2**63, 2**128, 2**-126, 2**-127, 3e38, 1e300, 1e-320]))
+    if isinstance(old, tuple):
+        return st.lists(st.floats() | st.sampled_from([0, 1, 0.5, 1 - 1e-17]), max_size=3).map(
+            tuple)
+    return STATE_VALUES
+
+
+def places(tree, path=()):
+    """Every dict and list in `tree` (a tensor is a leaf), with its path of keys."""
+    yield path, tree
+    for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+        if isinstance(v, dict | list):
+            yield from places(v, path + (k,))
+
+
+def made(value):
+    return value.make() if isinstance(value, Made) else value
+
+
+def place_kind(path) -> tuple:
+    return tuple(k if isinstance(k, str) else 0 for k in path)
+
+
+def edited(data, valid: dict) -> dict:
+    """`valid` with 1-3 edits anywhere in it, each drawn (and shown) alone: a key replaced,
+    deleted or added, a list item appended, or one number of a tensor set."""
+    ckpt = copy.deepcopy(valid)
+    for _ in range(data.draw(st.integers(1, 3))):
+        found = list(places(ckpt))
+        # first which kind of place (the top, the guard, any state entry, any group...), so
+        # that the 28 state entries do not crowd the rest out
+        kind = data.draw(st.sampled_from(sorted({place_kind(p) for p, _ in found}, key=repr)),
+                         label="kind")
+        node = dict(found)[data.draw(st.sampled_from(
+            [p for p, _ in found if place_kind(p) == kind]), label="at")]
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        edit = data.draw(st.sampled_from(["set", "delete", "add", "poke"]), label="edit")
+        numbers = [k for k in keys if isinstance(node[k], torch.Tensor)
+                   and node[k].is_floating_point() and node[k].numel()]
+        if edit == "poke" and numbers:
+            t = node[data.draw(st.sampled_from(numbers), label="key")]
+            t.view(-1)[data.draw(st.integers(0, t.numel() - 1), label="index")] = \
+                data.draw(st.sampled_from(FILLS[:-1]), label="number")
+        elif edit == "delete" and keys:
+            node.pop(data.draw(st.sampled_from(keys), label="key"))
+        elif edit in ("set", "poke") and keys:
+            key = data.draw(st.sampled_from(keys), label="key")
+            node[key] = made(data.draw(st.one_of(like(node[key]), like(node[key]),
+                                                 STATE_VALUES), label="value"))
+        elif isinstance(node, dict):
+            node[data.draw(st.sampled_from(STATE_KEYS) | UNICODE | st.integers(-1, 40),
+                           label="new key")] = made(data.draw(STATE_VALUES, label="value"))
+        else:
+            node.append(made(data.draw(STATE_VALUES, label="value")))
+    return ckpt
+
+
+@functools.cache  # not a fixture: hypothesis would show all of it with each failure
+def resume_state(fused: bool) -> dict:
+    """A training checkpoint's state besides its weights, after one AdamW step."""
+    from test_resume_state import stepped
+
+    return {"step": 3, "guard": {"skipped": 0, "next_rung": 0, "lr_scale": 1.0, "amp": True},
+            "scaler": torch.amp.GradScaler("cpu").state_dict(),  # fp16's: every field
+            "logged": 10, "optimizer": stepped(fused)[1]}
+
+
+def written(state: dict, valid: dict) -> bool:
+    """The moments of `state` are those AdamW wrote (`valid`'s): given them, every step,
+    group number and flag the checks pass must step to finite parameters. Moments of other
+    values than it writes (finite: 3e38 where exp_avg_sq is 0) may overflow a step, which
+    the guard then skips (TrainState.step), as it would any step that overflows."""
+    return all(k in valid["state"] and all(torch.equal(t, valid["state"][k][m])
+                                           for m, t in e.items() if m != "step")
+               for k, e in state["state"].items())
+
+
+@given(data=st.data(), saved=st.booleans(), fused=st.booleans())
+def test_resume_states(data, saved, fused):
+    """A checkpoint's training state (saved with the fused AdamW or the per-parameter loop,
+    resumed with either) edited anywhere: state.check_train_state and optim.check_state
+    refuse it in one line, or what they pass loads into the guard, the fp16 loss scaler and
+    AdamW, and a step of each goes through with finite parameters (torch checks none of it:
+    a moment of another shape was a segfault)."""
+    from conftest import tiny_gpt
+
+    from mini_grpo.guards import Guard
+    from mini_grpo.optim import check_state, make_optimizer
+    from mini_grpo.state import check_train_state
+
+    ckpt = edited(data, resume_state(saved))
+    model = tiny_gpt()
+    opt = make_optimizer(model, 1e-3, weight_decay=0.1, fused=fused)
+
+    def resume():
+        try:
+            check_train_state(ckpt, "c.pt")
+            check_state(opt, ckpt.get("optimizer"))
+        except (CheckpointError, ValueError) as e:  # load_weights: "c.pt: " + the ValueError
+            assert len(str(e).splitlines()) == 1 and str(e).startswith(
+                ("c.pt: its ", "optimizer")), repr(str(e))
+            event("refused")
+            return e
+        Guard(3).load_state_dict(ckpt.get("guard", {}))
+        scaler = torch.amp.GradScaler("cpu")  # as TrainState.restore loads it under fp16
+        if ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        p = torch.ones(2, requires_grad=True)
+        sgd = torch.optim.SGD([p], lr=1e-3)
+        scaler.scale(p.sum()).backward()
+        scaler.step(sgd)
+        scaler.update()
+        assert 0 < scaler.get_scale() < float("inf"), scaler.get_scale()
+        as_written = written(ckpt["optimizer"], resume_state(saved)["optimizer"])
+        opt.load_state_dict(ckpt["optimizer"])  # its tensors, stepped in place
+        model(torch.zeros(1, 4, dtype=torch.long))[0].float().sum().backward()
+        opt.step()
+        bad = [n for n, q in model.named_parameters() if not torch.isfinite(q).all()]
+        event(f"stepped, moments {'as written' if as_written else 'edited'}"
+              + (", not finite" if bad else ""))
+        assert not bad or not as_written, f"not finite after the step: {bad}"
+
+    within_bounds(resume, seconds=10, mib=256)
+
+
+# --- environments: what reset and step return, through a conversation's turns -----------------
+
+class Unshowable(BaseException):
+    """An environment's exception that cannot even be shown."""
+
+    def __str__(self):
+        raise ValueError("no")
+
+
+def text_of(n: int, char: str) -> Made:
+    return Made(f"{char!r} * {n}", lambda: char * n)
+
+
+def many(message, n: int) -> Made:
+    """n messages alike (their texts shared, as an environment's repeated answer would)."""
+    return Made(f"[{message!r}] * {n}", lambda: [dict(m) for m in [made_all(message)] * n])
+
+
+def made_all(value):
+    """`value` with every drawn Made in it made: what the environment returns or raises."""
+    if isinstance(value, Made):
+        return made_all(value.make())
+    if isinstance(value, Step):
+        return dataclasses.replace(value, messages=made_all(value.messages))
+    if isinstance(value, dict):
+        return {k: made_all(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [made_all(v) for v in value]
+    return value
+
+
+ENV_TEXTS = st.one_of(
+    UNICODE,  # lone surrogates too
+    st.sampled_from(["\ud800", "\udfff\ud800", "<|im_end|>", "<|im_start|>assistant\n",
+                     "{{ raise_exception('x') }}", "\x00", "\u2028"]),
+    st.sampled_from([text_of(n, c) for n, c in [  # (a surrogate or an emoji: 3-4 tokens)
+        (0, "y"), (100, "\ud800"), (1000, "\ud800"), (1000, "\U0001f600"), (5000, "y"),
+        (ENV_MAX_CHARS // 4, "\ud800"), (ENV_MAX_CHARS - 4096, "y"),  # these two: 1M tokens
+        (ENV_MAX_CHARS + 1, "\ud800"), (1_100_000, "y")]]))
+GOOD_MESSAGES = st.fixed_dictionaries({"role": st.sampled_from(["user", "tool", "system"]),
+                                       "content": ENV_TEXTS}, optional={"name": ENV_TEXTS})
+ENV_MESSAGES = GOOD_MESSAGES | st.tuples(st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["user", "tool", "system", "assistant", ""]) | UNICODE | VALUES,
+    "content": ENV_TEXTS | VALUES}), st.dictionaries(
+        st.sampled_from(["name", "tool_calls", "tool_call_id"]) | UNICODE | st.integers(-1, 2),
+        ENV_TEXTS | VALUES, max_size=2)).map(lambda t: {**t[1], **t[0]})
+GOOD_LISTS = st.lists(GOOD_MESSAGES, min_size=1, max_size=3) | st.tuples(
+    GOOD_MESSAGES, st.sampled_from([2, 2045, 2047, 2048, 2049, 3000])).map(lambda t: many(*t))
+ENV_MESSAGE_LISTS = GOOD_LISTS | st.lists(ENV_MESSAGES, max_size=3) | st.tuples(
+    ENV_MESSAGES, st.sampled_from([2, 2047, 3000])).map(lambda t: many(*t))
+ENV_COUNTS = st.integers(-1, 5) | st.sampled_from(
+    [2**31, 2**53 + 1, 2**63, 2**64, 2**70, True, 1.0, float("nan"), "1", None])
+ENV_RAISES = st.sampled_from([
+    Made("ValueError('two\\nlines')", lambda: ValueError("two\nlines")),
+    Made("RuntimeError()", RuntimeError), Made("KeyError('k')", lambda: KeyError("k")),
+    Made("Unshowable()", Unshowable), Made("SystemExit(3)", lambda: SystemExit(3)),
+    Made("GeneratorExit()", GeneratorExit), Made("RecursionError()", RecursionError),
+    Made("Exception('\\ud800')", lambda: Exception("\ud800")),
+    Made("RuntimeError('x' * 1_100_000)", lambda: RuntimeError("x" * 1_100_000))])
+# calm: what a well-meaning environment returns (of the right types, its texts anything) or
+# raises; wild: anything at all
+CALM_STEPS = st.builds(Step, messages=GOOD_LISTS, done=st.sampled_from([False, False, True]),
+                       rewards=st.dictionaries(st.sampled_from(["r", "bonus"]), st.floats(
+                           -10, 10) | st.integers(-3, 3), max_size=2),
+                       calls=st.integers(0, 3), failed=st.just(0)) | ENV_RAISES
+WILD_STEPS = st.one_of(CALM_STEPS, VALUES, st.builds(
+    Step, messages=ENV_MESSAGE_LISTS | VALUES,
+    done=st.booleans() | st.sampled_from([None, 0, 1, "yes", float("nan")]),
+    rewards=st.dictionaries(UNICODE | st.integers(), st.floats() | VALUES |
+                            st.integers(-2**70, 2**70), max_size=2) | VALUES,
+    calls=st.integers(0, 3) | ENV_COUNTS, failed=st.integers(0, 3) | ENV_COUNTS))
+CALM_RESETS = st.one_of(st.none(), ENV_TEXTS, GOOD_LISTS, ENV_RAISES)
+WILD_RESETS = st.one_of(CALM_RESETS, ENV_MESSAGE_LISTS, VALUES)
+
+
+# ChatML, refusing a system message after the first (as many templates refuse their roles)
+STRICT_CHATML = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                 "{{ raise_exception('a system message must come first') }}{% endif %}"
+                 "{% endfor %}" + CHATML)
+
+
+@pytest.fixture(scope="module")
+def chat_toks(tmp_path_factory):
+    """{strict: a byte-level BPE with ChatML's template (or STRICT_CHATML) and the
+    calculator's tool list}."""
+    pytest.importorskip("transformers")
+    from test_turns import tokenizers
+
+    return {strict: tokenizers(tmp_path_factory.mktemp("chatml"),
+                               STRICT_CHATML if strict else CHATML)[0]
+            for strict in (False, True)}
+
+
+@settings(max_examples=max(200, settings.default.max_examples * 4 // 5))  # some encode 1 MiB
+@given(data=st.data(), calm=st.booleans(), strict=st.booleans(),
+       max_rounds=st.sampled_from([0, 1, 4, 4]), turns_taken=st.integers(1, 2))
+def test_environment_outputs(chat_toks, data, calm, strict, max_rounds, turns_taken):
+    """An environment (one a row, two rows) whose reset and step return anything, or raise
+    anything: Turns, its prompt_ids and one or two end_turn calls complete, each row ended or
+    continued, the counts consistent, or stop with one line of EnvError naming the
+    environment; never another exception (a ChatTemplateError, a tokenizer's), bounded."""
+    from mini_grpo.engines.turns import COUNTS, ToolSetup, Turns
+    from mini_grpo.envs import EnvError
+
+    resets = data.draw(st.lists(CALM_RESETS if calm else WILD_RESETS, min_size=2,
+                                max_size=2), label="resets")
+    steps = data.draw(st.lists(st.lists(CALM_STEPS if calm else WILD_STEPS, min_size=1,
+                                        max_size=2), min_size=2, max_size=2), label="steps")
+    made_rows = []
+
+    class Drawn:
+        def __init__(self):
+            self.row = len(made_rows)  # Turns makes the rows' environments in order
+            made_rows.append(self)
+            self.steps = list(steps[self.row])
+
+        def reset(self, example):
+            return answer(resets[self.row])
+
+        def step(self, reply):
+            return answer(self.steps.pop(0) if self.steps else Step([], done=True))
+
+    def answer(drawn):
+        value = made_all(drawn)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    name = f"environment {Drawn.__module__}:{Drawn.__qualname__}"
+    tok = chat_toks[strict]
+
+    def converse():
+        try:
+            turns = Turns(ToolSetup(Drawn, max_rounds, 10.0, rewards=True), tok, ["a", "b"])
+            ids = turns.prompt_ids()
+            assert len(ids) == 2 and all(isinstance(i, list) and i for i in ids)
+            rows, answered = [0, 1], 0
+            for _ in range(turns_taken):
+                nxt = turns.end_turn(rows, [tok.encode("x") + [tok.eos_id] for _ in rows])
+                assert len(nxt) == len(rows) and all(
+                    n is None or (isinstance(n, list) and n) for n in nxt), nxt
+                rows = [g for g, n in zip(rows, nxt) if n is not None]
+                answered += len(rows)
+        except ConfigError as e:
+            assert type(e) is EnvError, f"{type(e).__name__}: {e}"
+            assert len(str(e).splitlines()) == 1 and name in str(e), repr(str(e)[:500])
+            event(f"EnvError from {'reset' if ': reset()' in str(e) else 'step'}")
+            return e
+        c = turns.counts
+        for column in ("broken", "capped"):
+            assert set(c[:, COUNTS.index(column)].tolist()) <= {0.0, 1.0}, (column, c)
+        assert (c >= 0).all() and (c[:, COUNTS.index("rounds")] <= max_rounds).all(), c
+        assert torch.isfinite(turns.rewards).all(), turns.rewards
+        event(f"completed: {answered} answer(s) rendered, "
+              f"{int(c[:, COUNTS.index('broken')].sum())} row(s) broken")
+        return turns
+
+    # 1 MiB of text (the bound) is 1M-4M tokens of this byte-level BPE: 0.2-0.9 GB to encode
+    within_bounds(converse, seconds=20, mib=1024)

@@ -66,6 +66,20 @@ CASES = [
     (set_group("params", [0, 0] + list(range(2, 10))), r"param_groups\[0\]\.params: 0 is not"),
     (lambda s: s["param_groups"].pop(), "other parameter groups than this model's"),
     (lambda s: s.pop("state"), "not an optimizer state torch writes"),
+    # found by tests/test_fuzz.py's test_resume_states: each passed, then failed in torch
+    (set_group("lr", 2**1100), r"param_groups\[0\]\.lr: 1090748.* is not a value it takes"),
+    (set_group("lr", 6.5e37), r"param_groups\[0\]\.lr"),  # lr / (1 - beta1**step): inf
+    (set_group("eps", 1e-320), r"param_groups\[0\]\.eps"),  # 0 in float32: 0 / 0, NaN
+    (set_group("amsgrad", True), r"param_groups\[0\]\.amsgrad: True is not"),  # KeyError
+    (set_group("amsgrad", None), r"param_groups\[0\]\.amsgrad: None"),  # fused: TypeError
+    (set_group("capturable", True), r"param_groups\[0\]\.capturable"),  # CPU: AssertionError
+    (set_group("differentiable", True), r"param_groups\[0\]\.differentiable"),
+    (lambda s: s["param_groups"][0].pop("lr"), r"param_groups\[0\]: has no 'lr'"),
+    (set_moment("step", 2**1100), r"state\[0\]\.step: must be"),  # was an OverflowError
+    # one line, where the value's repr is several
+    (set_group("weight_decay", torch.zeros(2, 2)),
+     r"weight_decay: tensor\(\[\[0\., 0\.\], \[0\., 0\.\]\]\) is not a value it takes"),
+    (set_group(7, 1), r"param_groups\[0\]\[7\]: not a key"),
 ]
 
 
@@ -75,8 +89,9 @@ def test_a_crafted_optimizer_state_is_refused_before_it_is_loaded(fused, change,
     opt, state = stepped(fused)
     check_state(opt, state)  # the state as torch wrote it passes
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(ValueError, match=needle) as e:
         check_state(opt, crafted(state, change))
+    assert len(str(e.value).splitlines()) == 1, str(e.value)
     after = opt.state_dict()  # nothing was loaded
     assert all(torch.equal(after["state"][k][m], before["state"][k][m])
                for k in before["state"] for m in before["state"][k])
@@ -94,12 +109,19 @@ def test_a_crafted_optimizer_state_is_refused_before_it_is_loaded(fused, change,
     ("guard", {"lr_scale": math.inf}, "'guard.lr_scale' must be a number in (0, 1]"),
     ("guard", {"amp": "yes"}, "'guard.amp' must be true or false"),
     ("guard", {"rungs": 1}, "'guard' must be a dict of"),
-    ("scaler", {"scale": -1.0}, "'scaler.scale' must be a finite number > 0"),
+    ("scaler", {"scale": -1.0}, "'scaler.scale' must be a number in [2**-149, 2**127]"),
     ("scaler", {"growth_interval": 0}, "'scaler.growth_interval' must be an integer >= 1"),
     ("scaler", "x", "'scaler' must be a dict of scale"),
     ("optimizer", "adamw", "'optimizer' must be an optimizer state (a dict), got 'adamw'"),
     ("logged", "junk", "'logged' must be an integer >= 0 (metrics.jsonl's size) or null"),
     ("logged", -1, "'logged' must be an integer"),
+    # found by tests/test_fuzz.py's test_resume_states: each passed, then failed in torch
+    ("scaler", {"scale": 65536.0}, "'scaler' must be all of scale, growth_factor, "
+                                   "backoff_factor, growth_interval, _growth_tracker, or none"),
+    ("scaler", {"_growth_tracker": 2**31}, "'scaler._growth_tracker' must be an integer in "
+                                           "0..2**31-1"),  # an int32 tensor's
+    ("scaler", {"scale": 2.0**128}, "'scaler.scale' must be a number in [2**-149, 2**127]"),
+    ("guard", {"skipped": torch.zeros(2, 1)}, "got tensor([[0.], [0.]])"),  # one line
 ])
 def test_a_crafted_training_state_is_one_error_naming_the_field(field, value, needle):
     ckpt = {"step": 3, "guard": {"skipped": 0, "next_rung": 0, "lr_scale": 1.0, "amp": True},
@@ -111,7 +133,8 @@ def test_a_crafted_training_state_is_one_error_naming_the_field(field, value, ne
         ckpt[field] = value
     with pytest.raises(CheckpointError) as e:
         check_train_state(ckpt, "c.pt")
-    assert str(e.value).startswith("c.pt: its ") and needle in str(e.value)
+    assert str(e.value).startswith("c.pt: its ") and needle in str(e.value), str(e.value)
+    assert len(str(e.value).splitlines()) == 1
 
 
 @pytest.fixture(scope="module")

@@ -439,7 +439,9 @@ def test_a_step_that_never_returns_does_not_keep_the_process_alive(tmp_path):
     (Step([], done="no"), "done must be True or False, got 'no'"),
     (Step([], done=True, rewards=None), "rewards must be a dict of reward parts, got None"),
     (Step([], done=True, rewards={"won": float("nan")}), "reward part 'won' is nan"),
-    (Step([], done=True, calls=-1), "calls must be an int >= 0, got -1"),
+    (Step([], done=True, calls=-1), "calls must be an int in 0..16777216, got -1"),
+    (Step([], done=True, calls=2**64), "calls must be an int in 0..16777216, got 1844"),
+    (Step([], done=True, calls=1, failed=2), "failed (2) must be at most calls (1)"),
     ("reset", "reset(): messages must be a list of"),
 ])
 def test_what_an_environment_returns_is_checked_and_the_error_names_it(tmp_path, bad, needle):

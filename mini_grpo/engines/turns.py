@@ -113,19 +113,20 @@ class Turns:
                 continue
             try:
                 first = env.reset(p)
-            except Exception as e:  # the row's failure; the others go on
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # the row's failure (a SystemExit too); the others go on
                 self._broke(g, "reset()", _raised(e))
                 continue
             if first is not None:
                 if not isinstance(first, str):  # a text is the prompt's one user message
                     check_messages(first, f"environment {env_name(env)}: reset()")
-                first = tok.messages_of(clean_text(first) if isinstance(first, str)
-                                        else _cleaned(first))
+                first = tok.messages_of(first)
                 why = _over_bounds(first)
                 if why:
                     self._broke(g, "reset()", why)
                 else:
-                    self.history[g] = first
+                    self.history[g] = _cleaned(first)
         self.start = [len(h) for h in self.history]  # where each row's own turns begin
         self.rewards = torch.zeros(len(prompts), dtype=torch.float64)  # reward parts, summed
         self.running: dict[int, cf.Future] = {}  # rows whose step timed out, and that step
@@ -167,9 +168,9 @@ class Turns:
                 c[3] = 1
                 out.append(None)
             else:
-                messages = _cleaned(st.messages)
-                why = _over_bounds(history + messages)
+                why = _over_bounds(history + st.messages)
                 if why is None:
+                    messages = _cleaned(st.messages)
                     try:
                         nxt = continuation(self.tok, history, messages, ids[-1])
                     except ChatTemplateError as e:
@@ -188,7 +189,9 @@ class Turns:
         try:
             return self.setup.env(self.tok.call_format) if self.setup.tool_loop \
                 else self.setup.env()
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # as reset's
             self._broke(g, "__init__", _raised(e))
             return None
 
@@ -271,7 +274,9 @@ def _raised(e: BaseException) -> str:
 
 
 def _cleaned(messages: list[dict]) -> list[dict]:
-    """Messages with every text made encodable (clean_text: no lone surrogates)."""
+    """Messages with every text made encodable (clean_text: no lone surrogates), once they
+    are within a conversation's bounds (_over_bounds; cleaning only shortens a text): 3000
+    messages of 1 MiB of surrogates, cleaned first, took 0.4 s each, 20 minutes."""
     return [{k: clean_text(v) if isinstance(v, str) else v for k, v in m.items()}
             for m in messages]
 
