@@ -12,8 +12,10 @@ prompt and messages (tasks/jsonl.py); a model directory's config.json, tokenizer
 generation_config.json, model.safetensors.index.json and safetensors headers (models/hf.py,
 HFTokenizer.from_dir); chat templates (chat_template.py); checkpoints (run.checkpoint_config,
 build_policy, tokenizer_from_state); GGUF files (models/gguf.py); the command lines of sample,
-export and rft-generate, with the property that no file but the command's own output changes.
-What they found is in tests/test_untrusted.py.
+export and rft-generate, with the property that no file but the command's own output changes;
+a resume's training and optimizer state (state.check_train_state, optim.check_state, then
+torch's load and step); what an environment's reset and step return (engines/turns.py).
+What they found is in tests/test_untrusted.py, test_resume_state.py and test_turns.py.
 """
 
 import copy
