@@ -56,7 +56,8 @@ PLAIN_LORA = {"init_lora_weights": (True, False, "gaussian"), "bias": ("none",),
               "exclude_modules": (None, "", []), "layer_replication": (None,),
               "trainable_token_indices": (None,), "alora_invocation_tokens": (None,),
               "loftq_config": ({}, None), "megatron_config": (None,), "eva_config": (None,),
-              "corda_config": (None,), "lora_ga_config": (None,), "velora_config": (None,),
+              "corda_config": (None,), "astra_config": (None,), "lora_ga_config": (None,),
+              "velora_config": (None,),
               "monteclora_config": (None,), "use_bdlora": (None,), "arrow_config": (None,),
               "kasa_config": (None,)}
 # the other keys, with their types: read_adapter_config and load_adapter check the values of

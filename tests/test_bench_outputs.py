@@ -21,6 +21,7 @@ SCRIPTS = [
     ("kill_resume", ["--json"]),
     ("lm_job_cost", ["--out_dir", "runs/none", "--json"]),
     ("lm_job_seeds", ["--name", "x", "--seeds", "1", "--json"]),
+    ("rl_screen", ["--sft", "none", "x:", "--json"]),
     ("lm_job_table", ["none", "--out"]),
     ("memory_steps", ["--variant", "a:none", "--json"]),
     ("pass_shapes", ["--json"]),
