@@ -2,14 +2,17 @@
 the levers of issue 70 (learning rate, losses, estimators, group size, ...) before any gets the
 full budget and 3 seeds:
 
+    python distributed_train.py --config smollm2_numeric --mode=sft --num_val=200 \\
+        --out_dir=runs/screen_sft          # the SFT stage once, its validation prompts apart
     .venv/bin/python bench/rl_screen.py --sft runs/screen_sft/sft/step_0000060.pt --steps 25 \\
         --json bench/rl_screen_<cpu>.json base: lr_2e-5:--lr=2e-5 rloo:--advantage_estimator=rloo
 
 Each variant is `NAME:FLAGS` (FLAGS split on spaces, added to the LM job's config with
---mode=grpo from the checkpoint). The screen chooses on the training reward alone (its mean over
-the last third of the steps against the first third), never on the held-out set a result will
-be reported on: the runs hold out `--num_eval` questions (default 50: the evaluations before and
-after are short) and their held-out accuracy is recorded but not a criterion. Also recorded:
+--mode=grpo from the checkpoint). The screen chooses on the training reward (its mean over the last
+third of the steps against the first third) and on a validation split of the training
+questions (`--num_val`, default 200, set apart by the config's `num_val`; the SFT checkpoint
+must be trained with the same), never on the held-out set a result is reported on, which these
+runs do not evaluate. Also recorded:
 the diagnostics of a flat reward (zero_spread_frac, update_size, grad_norm, entropy, clip
 fractions), the median step time and the peak RSS (wait4). The JSON gains each run as it ends.
 """
@@ -39,7 +42,7 @@ def run_variant(name: str, flags: list[str], a) -> dict:
     out = ROOT / "runs" / "rl_screen" / name
     argv = [sys.executable, str(ROOT / "distributed_train.py"), "--config", "smollm2_numeric",
             "--mode=grpo", f"--init_from={a.sft}", f"--max_steps={a.steps}", "--max_minutes=0",
-            f"--num_eval={a.num_eval}", f"--out_dir={out}", f"--seed={a.seed}",
+            f"--num_val={a.num_val}", f"--out_dir={out}", f"--seed={a.seed}",
             "--resume=never", "--save_every=100000", "--report_to=[]", *flags]
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -69,8 +72,8 @@ def run_variant(name: str, flags: list[str], a) -> dict:
             "median_step_s": round(statistics.median(r["time/step"] for r in steps), 2),
             "wall_min": round((time.monotonic() - t0) / 60, 2),
             "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
-            # recorded, never a criterion of the screen
-            "held_out": {stage: {mode: ev[stage][mode].get("correct") for mode in ev[stage]}
+            # training questions set apart (num_val), never the held-out set
+            "validation": {stage: {mode: ev[stage][mode].get("correct") for mode in ev[stage]}
                          for stage in ev if isinstance(ev[stage], dict)
                          and "greedy" in ev[stage]}}
 
@@ -79,7 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sft", required=True, help="the SFT stage's checkpoint to start from")
     ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--num_eval", type=int, default=50)
+    ap.add_argument("--num_val", type=int, default=200,
+                    help="training questions set apart for validation (the SFT run's own)")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--json", help="add each run to this file (one this script wrote)")
     ap.add_argument("variants", nargs="+", help="NAME:FLAGS ('base:' for the job's own)")
@@ -93,8 +97,8 @@ def main() -> None:
         print(f"[screen] {name}: {flags or '(the job as it is)'}", flush=True)
         r = run_variant(name, flags.split(), a)
         print(f"[screen] {name}: train reward {r['reward_first_third']} -> "
-              f"{r['reward_last_third']}, update_size {r['diagnostics_mean']['update_size']}",
-              flush=True)
+              f"{r['reward_last_third']}, update_size {r['diagnostics_mean']['update_size']}, "
+              f"validation {r['validation']}", flush=True)
         result["runs"] = [x for x in result["runs"] if x["name"] != name] + [r]
         save(result, indent=2)
 

@@ -65,6 +65,10 @@ class GRPOConfig:
     # JSONL of {"prompt", "target"} rows; replaces the task's own data
     data_path: str = opt("", "sft resume", path=True)
     num_eval: int = opt(512, "sft", "> 0", at_most=MAX_GENERATED)  # held out, never trained on
+    # > 0: this many training prompts are set apart as a validation split (never trained on)
+    # and every evaluation runs on it instead of the held-out set: for choosing settings
+    # without looking at the set a result is reported on (bench/rl_screen.py)
+    num_val: int = opt(0, "sft resume", ">= 0", at_most=MAX_GENERATED)
     # [{name: ..., weight: ...}]; None = the task's defaults
     rewards: list | None = opt(None, "rft_data grpo")
 

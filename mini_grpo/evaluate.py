@@ -54,7 +54,7 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     for i in range(0, len(examples), batch_size):
         # a long evaluation says how far it is: a slow machine is not a hung one
         run.print0(f"[eval] {mode}: {i}/{len(examples)} completions of {len(task.eval)} "
-                   f"held-out prompts ({time.monotonic() - started:.0f} s)")
+                   f"{task.eval_split} prompts ({time.monotonic() - started:.0f} s)")
         # before each batch, the pages of what training or the batch before freed go back:
         # in a heap that training left in pieces, each batch's caches land in new places
         release_freed_memory(run.device)

@@ -251,8 +251,8 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     if data is not None:
         procs = f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}"
         run.print0(f"[mini-grpo] task {data.name}: {len(data.train)} train / {len(data.eval)} "
-                   f"held-out prompts; model {model.num_params() / 1e6:.2f}M params; {procs} on "
-                   f"{device}, {threads} threads; {precision.describe()}"
+                   f"{data.eval_split} prompts; model {model.num_params() / 1e6:.2f}M params; "
+                   f"{procs} on {device}, {threads} threads; {precision.describe()}"
                    + (f"; run directory {cfg.out_dir}" if logger else ""))
     if data is not None and log:  # a training run: what each rank holds, as the table
         mem = {k: v / 2**20 for k, v in fsdp.memory_report(model).items()}

@@ -90,6 +90,24 @@ def test_working_targets():
         build_task(tiny(task="numeric", task_args={"target": "steps"}))
 
 
+def test_a_validation_split_is_set_apart_from_training_and_never_the_held_out_set():
+    """num_val: evaluations run on training prompts set apart (never trained on), so settings
+    are chosen without the held-out set a result is reported on; the rest stays as it was."""
+    plain = build_task(tiny(task="numeric", num_eval=32, task_args={"num_train": 400}))
+    data = build_task(tiny(task="numeric", num_eval=32, num_val=20,
+                           task_args={"num_train": 400}))
+    assert (plain.eval_split, data.eval_split) == ("held-out", "validation")
+    val = {ex.prompt for ex in data.eval}
+    assert len(val) == len(data.eval) == 20  # each prompt once (training rows repeat some)
+    assert not val & {ex.prompt for ex in data.train}  # never trained on
+    assert not val & {ex.prompt for ex in plain.eval}  # nor the held-out questions
+    assert val <= {ex.prompt for ex in plain.train}  # drawn from the training questions
+    assert [ex.prompt for ex in data.train] == \
+        [ex.prompt for ex in plain.train if ex.prompt not in val]
+    with pytest.raises(ConfigError, match="num_val"):
+        tiny(num_val=-1)
+
+
 def test_task_through_the_config():
     cfg = tiny(task="numeric", num_eval=32, task_args={"num_train": 200})
     data = build_task(cfg)

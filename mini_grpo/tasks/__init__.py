@@ -35,8 +35,19 @@ if TYPE_CHECKING:
 
 
 def build_task(cfg: GRPOConfig) -> TaskData:
+    """The task's data; with `num_val` set, that many of its training prompts (whole prompts,
+    drawn with the seed) become the split every evaluation runs on, and are not trained on."""
     task = get_task(cfg.task)
-    return task.build(cfg, task.Args(**cfg.task_args))
+    data = task.build(cfg, task.Args(**cfg.task_args))
+    if cfg.num_val:
+        data.train, val = split_held_out(data.train, cfg.num_val, cfg.seed + 1,
+                                         f"num_val ({cfg.task}'s training prompts)")
+        first: dict[str, Example] = {}  # each prompt once (training rows may repeat one)
+        for ex in val:
+            first.setdefault(ex.prompt, ex)
+        data.eval = list(first.values())
+        data.eval_split = "validation"
+    return data
 
 
 __all__ = ["Example", "TaskData", "build_task", "calculator", "chess_fen", "countdown", "jsonl",

@@ -44,6 +44,8 @@ class TaskData:
     trivial_answers: dict[str, Callable[[Example], str]] = field(default_factory=dict)
     # the 0/1 column a completion counts as solved by (pass@k): `exact`, or one of eval_columns
     solved: str = "exact"
+    # what `eval` is: "held-out", or "validation" (training prompts set apart: num_val)
+    eval_split: str = "held-out"
 
 
 def split_held_out(rows: list[Example], num_eval: int, seed: int,
