@@ -122,18 +122,9 @@ def reinforce_pp_baseline_advantages(x: AdvantageInputs) -> torch.Tensor:
 @lru_cache(maxsize=64)
 def resolve_advantage(name: str) -> Callable[[AdvantageInputs], torch.Tensor]:
     """The estimator a config names: registered, or `package.module:function` (imported)."""
-    if name in ADVANTAGES:
-        return ADVANTAGES[name]
-    from .rewards.registry import import_callable
+    from .rewards.registry import resolve_named
 
-    if ":" not in name:
-        raise ConfigError(f"advantage_estimator: unknown estimator {name!r} (available: "
-                          f"{', '.join(ADVANTAGES)}; or package.module:function)")
-    fn = import_callable(name, "advantage_estimator")
-    if not callable(fn):
-        raise ConfigError(f"advantage_estimator {name!r}: a {type(fn).__name__}, not a "
-                          f"function")
-    return fn
+    return resolve_named("advantage_estimator", name, ADVANTAGES, "estimator")
 
 
 def advantages(name: str, x: AdvantageInputs) -> torch.Tensor:

@@ -27,7 +27,7 @@ import yaml
 
 from .advantages import ADVANTAGES
 from .config_layers import LEGACY_TASK_ARGS, Layers, resolve_config_path
-from .fields import ConfigError, coerce, parse_cli, read_yaml_mapping, show
+from .fields import ConfigError, check_named, coerce, parse_cli, read_yaml_mapping, show
 from .losses import POLICY_LOSSES
 from .options import check_ranges, env_vars, expand_paths, opt
 from .task_registry import MAX_GENERATED, resolve_task_args
@@ -333,13 +333,8 @@ class GRPOConfig:
             _check_rewards(self.rewards)
         if not all(isinstance(t, str) and t for t in self.tools):
             raise ConfigError(f"tools: must be a list of tool names, got {show(self.tools)}")
-        if self.advantage_estimator not in ADVANTAGES and ":" not in self.advantage_estimator:
-            raise ConfigError(f"advantage_estimator: unknown estimator "
-                              f"{self.advantage_estimator!r} (available: "
-                              f"{', '.join(ADVANTAGES)}; or package.module:function)")
-        if self.policy_loss not in POLICY_LOSSES and ":" not in self.policy_loss:
-            raise ConfigError(f"policy_loss: unknown loss {self.policy_loss!r} (available: "
-                              f"{', '.join(POLICY_LOSSES)}; or package.module:function)")
+        check_named("advantage_estimator", self.advantage_estimator, ADVANTAGES, "estimator")
+        check_named("policy_loss", self.policy_loss, POLICY_LOSSES, "loss")
         if self.tools and self.environment:
             raise ConfigError("environment: runs in place of the tool loop; an environment "
                               "that uses tools calls them itself (set tools: [])")

@@ -14,6 +14,7 @@ import reprlib
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -178,6 +179,14 @@ def unreadable(e: ValueError) -> str:
     if "integer string conversion" in str(e):
         return f"an integer longer than {sys.get_int_max_str_digits()} digits"
     return f"unreadable value ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+
+
+def check_named(key: str, name: str, registry: Mapping[str, Any], kind: str) -> None:
+    """A field that names a function (policy_loss, advantage_estimator): a registered name,
+    or `package.module:function`, which is imported only when the run needs it."""
+    if name not in registry and ":" not in name:
+        raise ConfigError(f"{key}: unknown {kind} {name!r} (available: {', '.join(registry)}; "
+                          f"or package.module:function)")
 
 
 def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:

@@ -118,18 +118,10 @@ def sapo_policy(x: PolicyInputs) -> PolicyTerms:
 
 @lru_cache(maxsize=64)
 def resolve_policy_loss(name: str) -> Callable[[PolicyInputs], PolicyTerms]:
-    """The policy loss a config names: registered, or `package.module:function`."""
-    if name in POLICY_LOSSES:
-        return POLICY_LOSSES[name]
-    from .rewards.registry import import_callable
+    """The policy loss a config names: registered, or `package.module:function` (imported)."""
+    from .rewards.registry import resolve_named
 
-    if ":" not in name:
-        raise ConfigError(f"policy_loss: unknown loss {name!r} (available: "
-                          f"{', '.join(POLICY_LOSSES)}; or package.module:function)")
-    fn = import_callable(name, "policy_loss")
-    if not callable(fn):
-        raise ConfigError(f"policy_loss {name!r}: a {type(fn).__name__}, not a function")
-    return fn
+    return resolve_named("policy_loss", name, POLICY_LOSSES, "loss")
 
 
 def policy_terms(x: PolicyInputs) -> PolicyTerms:

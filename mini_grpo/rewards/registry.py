@@ -28,9 +28,9 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from mini_grpo.fields import ConfigError
+from mini_grpo.fields import ConfigError, check_named
 
 RewardFn = Callable[[list[str], list[str], list[str], list[dict]], list[float]]
 
@@ -174,6 +174,18 @@ def import_callable(name: str, what: str = "reward"):
             raise ConfigError(f"{what} {name!r}: {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def resolve_named(key: str, name: str, registry: Mapping[str, Callable], kind: str) -> Callable:
+    """The function a field names (policy_loss, advantage_estimator): registered under
+    `name`, or the `package.module:function` it names, imported now."""
+    check_named(key, name, registry, kind)
+    if name in registry:
+        return registry[name]
+    fn = import_callable(name, key)
+    if not callable(fn):
+        raise ConfigError(f"{key} {name!r}: a {type(fn).__name__}, not a function")
+    return fn
 
 
 def resolve_reward(name: str) -> RewardFn:
