@@ -207,6 +207,9 @@ class GRPOConfig:
     # off-policy sequence masking (DeepSeek-V3.2): a row of negative advantage whose policy is
     # more than this (mean log pi_sampler - log pi) from the sampler's carries no loss; 0 = off
     off_policy_mask: float = opt(0.0, "loss", "[0, 1e6]")
+    # policy-gradient loss only on the tokens whose entropy is in this top share of each
+    # micro-batch's (Wang et al. 2025: the "forking" tokens; they use 0.2); 1 = every token
+    top_entropy_quantile: float = opt(1.0, "loss", "(0, 1]")
     # rows that hit max_new_tokens without EOS carry no loss (DAPO); see overlong_penalty
     mask_truncated: bool = opt(False, "grpo")
 

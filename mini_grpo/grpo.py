@@ -45,6 +45,7 @@ class LossSettings:
     vllm_is_cap: float  # importance sampling of the engine's samples past which; 0 = off
     vllm_is_mode: str  # token | sequence ratio, truncated or masked past the cap
     off_policy_mask: float  # off-policy sequence masking's threshold; 0 = off
+    top_entropy_quantile: float  # loss on the tokens of the top share of entropy; 1 = all
     kl_estimator: str  # KL_ESTIMATORS' name: k1 | k2 | k3 | low_var_kl
     policy_loss: str  # POLICY_LOSSES' name, or package.module:function
     dual_clip_c: float  # dual_clip's bound on a negative advantage's loss: c x |A|
@@ -112,6 +113,21 @@ def off_policy_mask(logp, sampled_logp, adv, mask, threshold: float) -> torch.Te
     return ~((adv < 0) & (kl > threshold))[:, None]
 
 
+def high_entropy_mask(entropy, mask, quantile: float) -> torch.Tensor | None:
+    """Top-entropy token masking (Wang et al. 2025, "Beyond the 80/20 rule"): the tokens whose
+    entropy is at least the (1 - quantile) quantile of the masked tokens' (B, T) bool; None
+    when `quantile` is 1 (every token). The policy-gradient term of the others is 0: the few
+    high-entropy tokens where a reasoning path forks carry the learning."""
+    if quantile >= 1.0:
+        return None
+    keep = mask.bool()
+    h = entropy.detach().float()
+    if not keep.any():
+        return keep
+    threshold = torch.quantile(h[keep], 1.0 - quantile)
+    return keep & (h >= threshold)
+
+
 # ---- KL estimators, by name (kl_estimator): d = log ref - log pi per token -> KL(pi || ref)
 # (Schulman's k1, k2, k3); 0 where d is 0 (masked positions)
 
@@ -135,6 +151,8 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
     """The GRPO loss of one (micro-)batch and its detached statistics.
 
     logp, old_logp, ref_logp, entropy: (B, T) fp32; adv: (B,); mask: (B, T) completion mask.
+    With `s.top_entropy_quantile` < 1 the policy-gradient term (not the KL term) is kept on
+    the micro-batch's tokens of highest entropy alone (`high_entropy_mask`).
     num_seqs / num_tokens / num_rows: the global batch's counts of sequences that carry loss,
     of their tokens, and of all its rows (dr_grpo's); default: this batch's.
     engine_logp: (B, T) the log-probs the rollout engine sampled with; with `s.vllm_is_cap` the
@@ -160,6 +178,10 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
                            s.off_policy_mask)
     if kept is not None:  # the rows still count in the normalisers: their loss is 0
         per_token = per_token * kept
+    if s.top_entropy_quantile < 1.0:  # so do the tokens left out (TRL's as well)
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the tokens' entropy")
+        per_token = per_token * high_entropy_mask(entropy, mask, s.top_entropy_quantile)
     kl = None
     if beta != 0.0:
         if ref_logp is None:

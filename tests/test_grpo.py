@@ -228,6 +228,35 @@ def test_off_policy_sequence_masking_drops_drifted_rows_of_negative_advantage():
     assert plain.item() == pytest.approx((-6 + 1) / 4)
 
 
+def test_top_entropy_masking_keeps_the_policy_term_of_the_highest_entropy_tokens_alone():
+    # entropies of the 4 masked tokens: 0.1 0.9 0.5 | 0.7 (the padding's 5.0 is no token's);
+    # quantile 0.5 keeps the top half: threshold = torch.quantile([.1 .5 .7 .9], 0.5) = 0.6,
+    # so the tokens of 0.9 (row 0) and 0.7 (row 1)
+    from mini_grpo.grpo import high_entropy_mask
+    ent = torch.tensor([[0.1, 0.9, 0.5], [0.7, 5.0, 5.0]])
+    assert high_entropy_mask(ent, MASK, 0.5).tolist() == [[False, True, False],
+                                                          [True, False, False]]
+    assert high_entropy_mask(ent, MASK, 1.0) is None
+    assert high_entropy_mask(ent, MASK, 0.25).tolist() == [[False, True, False],
+                                                           [False, False, False]]
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]])).requires_grad_()
+    s = settings(loss_agg="dapo", top_entropy_quantile=0.5)
+    loss, _ = grpo_loss(logp, logp.detach(), ADV, MASK, s, entropy=ent)
+    # ratio 1: -A on the kept tokens, over all 4 tokens of the batch: (-2 + 1) / 4
+    assert loss.item() == pytest.approx(-0.25)
+    loss.backward()
+    # d/dlogp of -A r / 4 at r = 1 is -A / 4 on a kept token, 0 on the others
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5, 0.0], [0.25, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="entropy"):
+        grpo_loss(logp, logp.detach(), ADV, MASK, s)
+    # the KL term is not masked: beta's term stays on every token
+    ref = logp.detach() - 0.1
+    with_kl, _ = grpo_loss(logp, logp.detach(), ADV, MASK, s.__class__(**{
+        **s.__dict__, "beta": 1.0}), entropy=ent, ref_logp=ref)
+    k3 = math.exp(-0.1) + 0.1 - 1  # d = ref - logp = -0.1 on each of the 4 tokens
+    assert with_kl.item() == pytest.approx(-0.25 + k3, rel=1e-5)
+
+
 def test_without_a_cap_the_engine_is_measured_but_not_corrected():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
     engine = old - 0.3
