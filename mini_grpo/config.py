@@ -182,6 +182,9 @@ class GRPOConfig:
     warmup_steps: int = opt(10, "sft grpo", "0..10000000")
     grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")  # clips the global grad L2 norm; 0 = off
     beta: float = opt(0.04, "loss", "[0, 1e6]")  # KL weight; 0 skips the reference model
+    # beta's KL in each row's reward (the sum of its tokens' kl_estimator, on the sampled
+    # tokens) before the advantages, in place of the loss's KL term (verl's use_kl_in_reward)
+    kl_in_reward: bool = opt(False, "loss")
     # PPO clip range of the probability ratio: [1 - epsilon_low, 1 + epsilon_high]
     epsilon_low: float = opt(0.2, "loss", "[0, 1]")
     epsilon_high: float = opt(0.28, "loss", "[0, 1e6]")  # DAPO clip-higher
@@ -336,6 +339,9 @@ class GRPOConfig:
             _check_rewards(self.rewards)
         if not all(isinstance(t, str) and t for t in self.tools):
             raise ConfigError(f"tools: must be a list of tool names, got {show(self.tools)}")
+        if self.kl_in_reward and not self.beta:
+            raise ConfigError("kl_in_reward: puts beta's KL in the reward; with beta 0 there is "
+                              "none (set beta > 0)")
         check_named("advantage_estimator", self.advantage_estimator, ADVANTAGES, "estimator")
         check_named("policy_loss", self.policy_loss, POLICY_LOSSES, "loss")
         if self.tools and self.environment:

@@ -47,6 +47,7 @@ class LossSettings:
     off_policy_mask: float  # off-policy sequence masking's threshold; 0 = off
     top_entropy_quantile: float  # loss on the tokens of the top share of entropy; 1 = all
     kl_estimator: str  # KL_ESTIMATORS' name: k1 | k2 | k3 | low_var_kl
+    kl_in_reward: bool  # beta's KL is in the rewards (kl_reward_penalty), not in the loss
     policy_loss: str  # POLICY_LOSSES' name, or package.module:function
     dual_clip_c: float  # dual_clip's bound on a negative advantage's loss: c x |A|
     sapo_tau_pos: float  # sapo's gate temperature where the advantage is positive
@@ -141,6 +142,14 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def kl_reward_penalty(sampling_logp, ref_logp, mask, beta: float, estimator: str):
+    """KL in the reward: beta x each row's KL(pi || ref), the sum over its tokens of the
+    estimator on the sampled tokens (log-probs of the policy that sampled them), detached:
+    (B,), subtracted from the rows' rewards before their advantages (kl_in_reward)."""
+    d = torch.where(mask.bool(), ref_logp - sampling_logp, 0.0).detach()
+    return beta * KL_ESTIMATORS[estimator](d).sum(1)
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -188,7 +197,8 @@ def grpo_loss(logp, old_logp, adv, mask, s: LossSettings, *, ref_logp=None,
             raise ValueError("beta != 0 needs ref_logp")
         d = torch.where(keep, ref_logp - logp, 0.0)
         kl = KL_ESTIMATORS[s.kl_estimator](d)  # 0 where masked
-        per_token = per_token + beta * kl
+        if not s.kl_in_reward:  # else it is in the advantages already: measured only
+            per_token = per_token + beta * kl
 
     if agg == "grpo":
         loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs

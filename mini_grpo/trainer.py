@@ -30,7 +30,7 @@ from .data import batch_indices, shard
 from .engines import Sampling
 from .engines.turns import COUNTS
 from .evaluate import evaluate
-from .grpo import LossSettings, grpo_loss
+from .grpo import LossSettings, grpo_loss, kl_reward_penalty
 from .precision import memory_gb, release_freed_memory
 from .scoring import score
 from .state import TrainState
@@ -87,6 +87,10 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         if run.reference is not None:
             with state.autocast():
                 traj = traj.replace(ref_logp=run.reference.logprobs_of(traj))
+            if cfg.kl_in_reward:  # the advantages of the rewards less beta x each row's KL
+                traj = traj.penalised(r, kl_reward_penalty(
+                    traj.sampling_logp, traj.ref_logp, traj.completion_mask, cfg.beta,
+                    cfg.kl_estimator), cfg, model)
         times["reference"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches

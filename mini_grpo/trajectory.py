@@ -171,6 +171,15 @@ class Trajectory:
                    seqs.clamp(min=1), tokens.clamp(min=1), mean, std, plan, pad,
                    turn_counts=r.turn_counts)
 
+    def penalised(self, r: Rollout, penalty: torch.Tensor, cfg, model=None) -> Trajectory:
+        """The record of the same rollout with advantages of its rewards less `penalty` (B,)
+        (kl_in_reward); its rewards, their moments and zero-spread groups stay the task's,
+        as the metrics report them, and so do the reference log-probs it holds."""
+        t = Trajectory.of(r, self.rewards - penalty, cfg, model)
+        return t.replace(rewards=self.rewards, reward_mean=self.reward_mean,
+                         reward_std=self.reward_std, zero_spread=self.zero_spread,
+                         ref_logp=self.ref_logp)
+
     def replace(self, **changes) -> Trajectory:
         """A new record with `changes` (ref_logp, old_logp): this one stays as it is."""
         return dataclasses.replace(self, **changes)

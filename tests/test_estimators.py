@@ -123,3 +123,16 @@ def test_a_users_own_estimator_from_a_file_trains_and_a_wrong_one_is_one_line(tm
                                                   "group", 1e-4))
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
         train(tiny(tmp_path / "run2", advantage_estimator="no_such_module:fn", max_steps=1))
+
+
+def test_kl_in_the_reward_and_top_entropy_masking_train(tmp_path):
+    """A run with beta's KL in the rewards (kl_in_reward) and the loss on the top half of the
+    tokens by entropy: both steps logged, finite; the KL measured once the policy moved."""
+    from mini_grpo.job import train
+
+    train(tiny(tmp_path / "run", beta=0.5, kl_in_reward=True, top_entropy_quantile=0.5,
+               max_steps=2, eval_every=100, save_every=100))
+    rows = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) for r in rows)
+    assert rows[0]["kl"] == 0.0 < rows[1]["kl"]  # the reference is step 1's policy

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mini_grpo.advantages import group_advantages, zero_spread
+from mini_grpo.engines.base import Sampling
 from mini_grpo.grpo import LossSettings, grpo_loss
 from mini_grpo.logprobs import completion_logprobs
 
@@ -255,6 +256,45 @@ def test_top_entropy_masking_keeps_the_policy_term_of_the_highest_entropy_tokens
         **s.__dict__, "beta": 1.0}), entropy=ent, ref_logp=ref)
     k3 = math.exp(-0.1) + 0.1 - 1  # d = ref - logp = -0.1 on each of the 4 tokens
     assert with_kl.item() == pytest.approx(-0.25 + k3, rel=1e-5)
+
+
+def test_kl_in_the_reward_penalises_each_row_by_its_summed_kl_and_leaves_the_loss_without():
+    from conftest import tiny
+
+    from mini_grpo.engines.base import Rollout
+    from mini_grpo.fields import ConfigError
+    from mini_grpo.grpo import kl_reward_penalty
+    from mini_grpo.trajectory import Trajectory
+
+    sampled = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.9, 0.9]]))
+    ref = sampled + torch.tensor([[0.1, -0.2, 0.3], [0.4, 7.0, 7.0]])  # padding: no token's
+    k3 = lambda d: math.exp(d) - d - 1  # noqa: E731
+    # beta 0.5 x the sum over each row's tokens of k3(ref - sampled); k1 is -(ref - sampled)
+    want = [0.5 * (k3(0.1) + k3(-0.2) + k3(0.3)), 0.5 * k3(0.4)]
+    torch.testing.assert_close(kl_reward_penalty(sampled, ref, MASK, 0.5, "k3"),
+                               torch.tensor(want))
+    torch.testing.assert_close(kl_reward_penalty(sampled, ref, MASK, 1.0, "k1"),
+                               torch.tensor([-0.2, -0.4]))
+    # in the loss: measured, not added (the advantages hold it)
+    logp = sampled.clone().requires_grad_()
+    plain, _ = grpo_loss(logp, sampled, ADV, MASK, settings(loss_agg="dapo"))
+    loss, st = grpo_loss(logp, sampled, ADV, MASK, settings(loss_agg="dapo", beta=0.5,
+                                                            kl_in_reward=True), ref_logp=ref)
+    assert loss.item() == plain.item()
+    assert st.kl.item() == pytest.approx((k3(0.1) + k3(-0.2) + k3(0.3) + k3(0.4)) / 4, rel=1e-5)
+    # the trajectory's advantages are of the penalised rewards; its rewards stay the task's:
+    # group 2's equal rewards (0.5, 0.5) less (0.2, 0) -> (0.3, 0.5), centred -> -0.1, +0.1
+    cmask = torch.ones(4, 2, dtype=torch.bool)
+    r = Rollout(torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool),
+                torch.zeros(4, 2, dtype=torch.long), cmask, torch.zeros(4, 2),
+                torch.ones(4, dtype=torch.bool), sampling=Sampling(2))
+    cfg = tiny(None, group_size=2, beta=0.5, kl_in_reward=True, scale_rewards="none")
+    t = Trajectory.of(r, torch.tensor([1.0, 0.0, 0.5, 0.5]), cfg)
+    p = t.penalised(r, torch.tensor([0.0, 0.0, 0.2, 0.0]), cfg)
+    torch.testing.assert_close(p.advantages, torch.tensor([0.5, -0.5, -0.1, 0.1]))
+    assert p.rewards.tolist() == [1.0, 0.0, 0.5, 0.5] and p.zero_spread.tolist() == [False, True]
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        tiny(None, beta=0.0, kl_in_reward=True)
 
 
 def test_without_a_cap_the_engine_is_measured_but_not_corrected():
