@@ -1,16 +1,16 @@
 """Which autocast dtype runs faster on this CPU, fp32 or bf16: a short probe on the run's own
 model for the `auto` precision settings (precision.resolve_precision), cached per machine.
 
-On a Xeon with AMX bf16 sampling was faster than fp32, on an AMD Zen4 (AVX-512 BF16, no AMX)
-1.5x slower, so the device type alone cannot decide. A command times only what it runs
-(`parts`: "train" passes and/or "sample"-ing; `mini-grpo sample`, `evaluate` and
+bf16 sampling is faster than fp32 on some CPUs with bf16 instructions (AMX) and slower on
+others (AVX-512 BF16 alone), so the device type alone cannot decide. A command times only
+what it runs (`parts`: "train" passes and/or "sample"-ing; `mini-grpo sample`, `evaluate` and
 `rft-generate` only sample), and the figures are kept in a small JSON file keyed by what they
 depend on (CPU model and the instruction sets its kernels may use, model spec, threads, torch
 version, what was timed and on which shapes), so the next command does not probe again: the
-probe was 20 s of a 42 s `mini-grpo sample` on the SmolLM2-135M shape. A busy machine must
+probe was half of a `mini-grpo sample` on the SmolLM2-135M shape. A busy machine must
 not fool it: the dtypes alternate, each figure is the median of three rounds, and when the
-rounds do not all find the same dtype faster (the Xeon's first probe, run beside other work,
-timed in seconds what takes milliseconds) the log says so and the verdict is not cached: the
+rounds do not all find the same dtype faster (a probe run beside other work once timed in
+seconds what takes milliseconds) the log says so and the verdict is not cached: the
 next command times again.
 
     $MINI_GRPO_PROBE_CACHE, else $XDG_CACHE_HOME/mini_grpo/probe.json,

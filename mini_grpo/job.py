@@ -109,7 +109,7 @@ def train(cfg) -> dict:
 def time_limit(run: Run, started: float, eval_s: float | None) -> TimeLimit | None:
     """Rank 0's TimeLimit for cfg.max_minutes (None: no limit). The final evaluation is
     reserved at twice the one before GRPO: trained answers ran longer than the base model's
-    (LM job, Xeon: 110 s before, 187 s after). A resumed run timed no evaluation here, so
+    (the LM job's final evaluation took 1.7x its first). A resumed run timed no evaluation here, so
     its limit covers the steps alone, and says so."""
     minutes = run.cfg.max_minutes
     if not minutes:

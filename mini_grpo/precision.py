@@ -3,9 +3,8 @@
 `Precision` holds the autocast dtypes in force for training passes and for sampling, resolved
 once at start. An `auto` that depends on the machine is decided by a short probe on the
 model's own shapes, which the caller hands in (dtype_probe.py: it runs the sampler, which this
-module does not import), logged with its figures: on a Xeon with AMX bf16 sampling was faster
-than fp32, on an AMD Zen4 (AVX-512 BF16, no AMX) 1.5x slower, so the device type alone cannot
-decide.
+module does not import), logged with its figures: bf16 sampling is faster than fp32 on some
+CPUs with bf16 instructions and slower on others, so the device type alone cannot decide.
 """
 
 from __future__ import annotations
@@ -97,7 +96,7 @@ class Precision:
 def linear_weights_cast_once(model: torch.nn.Module, dtype: torch.dtype | None):
     """Within it, the trained fp32 weights of `model`'s nn.Linear layers are `dtype` copies,
     cast once, where autocast casts them again in every micro-batch's forward and casts each
-    weight's gradient back to fp32 in its backward (on the Xeon those copies were 28% of the
+    weight's gradient back to fp32 in its backward (those copies were a large share of the
     LM job's policy pass: docs/results.md). Each copy's gradient is added into its fp32
     parameter's `.grad` as the backward makes it (fp32 += the low-precision gradient, what
     autocast's cast-back and accumulation compute: the same bits). Forward and backward both
@@ -220,8 +219,8 @@ def keep_freed_memory() -> bool:
 
     By default glibc maps blocks of up to 32 MiB freshly from the OS (its threshold moves
     between 128 KiB and 32 MiB) and unmaps them on free, so every large activation is a new
-    buffer whose first write page-faults: on the 2-core CPU the production model's
-    forward+backward spent a third of its time there (5.7 s with the heap kept vs 8.0 s).
+    buffer whose first write page-faults: the production model's forward+backward spent a
+    third of its time there on a CPU (docs/results.md).
     PyTorch has no caching allocator for CPU tensors; this makes glibc one. Blocks from
     KEEP_BELOW up (the LM job's logits, an evaluation's key/value cache) are still mapped
     and unmapped: few, so their page faults cost little, and kept they left holes in the
@@ -257,8 +256,8 @@ def release_freed_memory(device: torch.device) -> bool:
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 # LoRA's layers add their adapters' matmuls, each shape in forward and backward: a micro-batch
 # cycles through more primitives than 16, so each of its 30 layers missed the cache and built
-# its primitives again (on the AMX Xeon, where a primitive is a JIT-compiled kernel, the LM
-# job's policy pass took 2x the time). 128 holds a micro-batch's; LoRA frees 1.7 GiB of
+# its primitives again (where a primitive is a JIT-compiled kernel, as with AMX, that doubled
+# the LM job's policy pass). 128 holds a micro-batch's; LoRA frees 1.7 GiB of
 # gradients and AdamW state, so the cache costs it no headroom (docs/results.md)
 ONEDNN_LORA_PRIMITIVES = "128"
 
@@ -277,8 +276,8 @@ def setup_backends(cfg: GRPOConfig, local_world_size: int = 1) -> int:
     """TF32 (a no-op off Ampere+ GPUs), intra-op threads and, for CPU runs, the allocator
     (`cpu_malloc_cache`, see keep_freed_memory); returns the thread count.
 
-    More threads than cores is ruinous (2 ranks x 2 threads ran 6x slower than 2 x 1 on a
-    2-core machine), so the default splits the cores between the local ranks.
+    More threads than cores is ruinous (each rank's threads wait on the others' at every
+    barrier of a parallel region), so the default splits the cores between the local ranks.
     """
     torch.backends.cuda.matmul.allow_tf32 = cfg.use_tf32
     torch.backends.cudnn.allow_tf32 = cfg.use_tf32

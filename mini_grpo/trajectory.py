@@ -35,10 +35,9 @@ def plan_micro_batches(keys: list, size: int, cost=None, budget: int = 0) -> lis
     padding. With a `budget`, a micro-batch is also cut before `cost(indices)` would exceed
     it (an item alone may: it has nowhere else to go).
 
-    Cutting early where lengths jump would push a little less padding, but on the 2-core CPU
-    it made the default step's policy update 1.4x slower (0.95 vs 0.65 s): every new
-    micro-batch shape costs oneDNN a kernel set-up, and with fixed-size micro-batches only
-    the length varies.
+    Cutting early where lengths jump would push a little less padding, but it made the
+    default step's policy update slower on a CPU: every new micro-batch shape costs oneDNN a
+    kernel set-up, and with fixed-size micro-batches only the length varies.
     """
     plan: list[list[int]] = [[]]
     for i in sorted(range(len(keys)), key=keys.__getitem__):
@@ -230,8 +229,8 @@ def cut(rows: torch.Tensor, loss_mask: torch.Tensor, prompt_mask: torch.Tensor,
 
 # What one more micro-batch costs beside its token positions, in token positions: each pass
 # pays the whole model's fixed costs again (autocast's weight casts, the tied embedding's
-# dense gradient, the gradients' accumulation). On SmolLM2-135M under bf16 autocast on the
-# 2-core Xeon: 462 ms a pass, 4.5 ms a position (bench/policy_plans.py, policy_plans_xeon).
+# dense gradient, the gradients' accumulation): a pass's fixed cost over a position's, as
+# bench/policy_plans.py measures them on SmolLM2-135M under bf16 autocast (its JSONs).
 PASS_COST = 96
 MAX_SPLITS = 16  # thresholds row_batches tries: each an O(rows x size) programme
 

@@ -143,10 +143,10 @@ class Attention(nn.Module):
         if T == 1 and q.device.type == "cpu" and q.dtype != torch.float32 and not p \
                 and not _AMX and not isinstance(mask, str):  # (a one-token pass without
             # a cache or mask, SFT's, stays SDPA's: the manual path needs a mask tensor)
-            # a decode step under bf16 on a CPU without AMX (AMD Zen4): SDPA's kernel cost
-            # 583 us a layer where grouped matmuls (each key/value head with its g query
-            # heads, no copies of the keys) cost 167 (B=8, 9 heads over 3, 120 keys). With
-            # AMX (Intel Xeon) SDPA wins: 84 vs 136 us there; in fp32 SDPA is as fast
+            # a decode step under bf16 on a CPU without AMX: SDPA's kernel costs several
+            # times what grouped matmuls do (each key/value head with its g query heads, no
+            # copies of the keys); with AMX, SDPA wins; in fp32 SDPA is as fast (the figures:
+            # docs/results.md)
             manual = True
         if not manual:
             causal = isinstance(mask, str)
@@ -198,7 +198,7 @@ class CausalLM(nn.Module):
         every backward through it also brings the head's dense gradient, which autograd adds
         the rows into in place. A dense embedding backward instead zero-fills a (V, C)
         buffer and adds it to the head's: on a CPU, 113 MB for SmolLM2 at each micro-batch,
-        the fill page-faulting fresh memory (~45 ms on the Xeon). Dense on GPUs, where that
+        the fill page-faulting fresh memory. Dense on GPUs, where that
         costs little, and under torch.compile."""
         w = emb.weight
         if (idx.device.type == "cpu" and w.requires_grad and torch.is_grad_enabled()
@@ -224,8 +224,8 @@ class CausalLM(nn.Module):
         """"sdpa" (F.scaled_dot_product_attention) or "manual" (matmul, softmax, matmul) for
         passes without a KV cache; sampling with the cache always runs SDPA.
 
-        Measured on a 2-core AVX-512-BF16 CPU: under bf16 autocast SDPA's backward ran 2-3x
-        slower than the manual form, while in fp32 SDPA was as fast or faster.
+        On CPUs with AVX-512 BF16, under bf16 autocast SDPA's backward ran a few times slower
+        than the manual form, while in fp32 SDPA was as fast or faster (docs/results.md).
         """
         if impl not in ("sdpa", "manual"):
             raise ValueError(f"attn_impl must be sdpa or manual, got {impl!r}")

@@ -1,12 +1,12 @@
 """Linear layers on prepacked weights while sampling on a CPU (`packed(model, dtype)`).
 
 At every call, oneDNN first reorders a bf16 matmul's weight into its blocked layout. For a
-decode step, a few rows against the whole weight, that reorder is much of the work: on the
-2-core Xeon with AMX, SmolLM2-135M's gate_proj took 100 us a call at 8 rows and 64 us on a
-weight reordered once, its LM head 3.7 vs 1.7 ms. Inside `packed`, every linear layer runs on
-a copy of its weight cast and reordered once (`torch.ops.mkldnn._reorder_linear_weight`, the
-prepacking torch.compile's CPU backend does), and the layers that read the same input (q/k/v,
-gate/up: a module's `fuse` names them) as one matmul on their weights side by side. A LoRA
+decode step, a few rows against the whole weight, that reorder is much of the work (with
+AMX, a third of SmolLM2-135M's gate_proj call at 8 rows and half its LM head's). Inside
+`packed`, every linear layer runs on a copy of its weight cast and reordered once
+(`torch.ops.mkldnn._reorder_linear_weight`, the prepacking torch.compile's CPU backend does),
+and the layers that read the same input (q/k/v, gate/up: a module's `fuse` names them) as one
+matmul on their weights side by side. A LoRA
 layer runs on its merged weight (`merged_weight()`), so sampling with adapters costs what it
 costs without them. Outputs are in `dtype`, as autocast's would be, and equal them up to the
 rounding of a different blocking (tests/test_packed.py).
