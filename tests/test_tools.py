@@ -116,10 +116,10 @@ def test_the_calculator_does_arithmetic(expression, want):
     ("1" + "+1" * 600, "longer than"), ("+".join(["1"] * 200), "parts"),
     ("1e308 * 10", "not a finite number")])
 def test_the_calculator_refuses_what_is_not_bounded_arithmetic(expression, needle):
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU-bound: a bound for a runaway, in CPU seconds
     with pytest.raises(ToolError, match=needle):
         calculator(expression)
-    assert time.perf_counter() - t0 < 5  # a bound for a hang, not a timing
+    assert time.process_time() - t0 < 5
 
 
 def test_a_schema_is_what_transformers_derives():
@@ -212,7 +212,7 @@ def test_calls_are_read_in_order_and_bad_ones_say_why():
 
 
 def test_hostile_calls_are_bounded():
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU-bound: a bound for a runaway, in CPU seconds
     huge = parse_tool_calls("<tool_call>" + "x" * 10_000_000 + "</tool_call>")
     assert len(huge) == 1 and "longer than" in huge[0].error
     deep = parse_tool_calls("<tool_call>" + "[" * 10_000 + "]" * 10_000 + "</tool_call>")
@@ -224,7 +224,7 @@ def test_hostile_calls_are_bounded():
     many = parse_tool_calls(call("calculator", expression="1+1") * 10_000)
     assert len(many) == MAX_CALLS + 1
     assert many[-1].error == f"{10_000 - MAX_CALLS} more calls left out: at most {MAX_CALLS} a turn"
-    assert time.perf_counter() - t0 < 20  # a bound for a hang, not a timing
+    assert time.process_time() - t0 < 20
 
 
 def test_every_failure_is_the_tools_message():

@@ -147,11 +147,12 @@ def test_the_last_step_is_logged_whatever_log_every(tmp_path):
             if "reward/mean" in r] == [(1, 1.0)]
 
 
-def test_a_time_limit_takes_a_step_only_if_the_slowest_recent_one_still_fits():
-    now = time.monotonic()
+def test_a_time_limit_takes_a_step_only_if_the_slowest_recent_one_still_fits(monkeypatch):
+    now = 1000.0  # a clock that stands still: what is left is exact
+    monkeypatch.setattr(time, "monotonic", lambda: now)
     limit = TimeLimit(end=now + 100.0, reserve=10.0)
     assert limit.next_fits(5.0)  # ~now + 5 + 10 <= now + 100
-    assert 89.0 < limit.left() <= 90.0  # what GRPO has left: the limit less the reserve
+    assert limit.left() == 90.0  # what GRPO has left: the limit less the reserve
     assert not limit.next_fits(95.0)
     assert not limit.next_fits(1.0)  # the 95 s step is still among the last three
     assert not limit.next_fits(1.0)

@@ -276,14 +276,14 @@ def test_hostile_turns_come_back_as_error_messages_and_stay_bounded(tmp_path):
                  '</tool_call>',
     }
     turns = Turns(setup, ours, ["q"] * len(hostile))
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU-bound (its threads' time included), not the wall clock
     replies = [ours.encode(text) + [ours.eos_id] for text in hostile.values() if text]
     piece = ours.encode("431 * 254 + ")  # ids decode to the concatenation of their texts
     replies.insert(0, ours.encode('<tool_call>{"name": "calculator", "arguments": '
                                   '{"expression": "') + piece * (10_000_000 // 12) +
                    ours.encode('1"}}</tool_call>') + [ours.eos_id])
     nxt = turns.end_turn(list(range(len(hostile))), replies)
-    assert time.monotonic() - t0 < 60  # bounded: no 9**9**9, no 10 MB parse
+    assert time.process_time() - t0 < 60  # bounded: no 9**9**9, no 10 MB parse
     assert not (tmp_path / "pwned").exists()
     for (name, _), ids, talk in zip(hostile.items(), nxt, turns.conversations()):
         answers = [m["content"] for m in talk if m["role"] == "tool"]

@@ -159,16 +159,19 @@ def test_a_peer_that_trickles_its_request_is_dropped_at_one_deadline_for_all_of_
                     s.sendall(request[i:i + 1])
                 except OSError:  # dropped
                     return
+                sent.append(i)
                 time.sleep(0.1)
+    sent = []
     peer = threading.Thread(target=trickle, daemon=True)
-    t0 = time.monotonic()
     peer.start()
     time.sleep(0.2)  # the server has taken the trickling connection
     assert _health(port)["max_model_len"] == 4096
-    waited = time.monotonic() - t0
+    served_after = len(sent)  # counted, not timed: bytes the peer had sent by then
     stop.set()
     peer.join(5)
-    assert waited < 2.5, waited
+    # held for the whole request, the server answers after all of it; dropped at the
+    # deadline, after a few bytes
+    assert served_after < len(request) // 2, (served_after, len(request))
 
 
 def test_init_weights_is_refused_while_a_weight_group_is_live(served):
