@@ -178,6 +178,8 @@ class GRPOConfig:
     # AdamW's peak learning rate (warm-up, then cosine decay to a tenth); why: docs/results.md
     lr: float = opt(3e-5, "grpo", "[0, 1e6]")
     weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")  # AdamW's decoupled decay, matrices only
+    # AdamW's eps: a coordinate whose gradient scale is far below it moves far less than lr
+    adam_eps: float = opt(1e-8, "sft grpo", "(0, 1]")
     # GRPO's linear warm-up, in steps; SFT stages warm up min(5x this, a tenth of their steps)
     warmup_steps: int = opt(10, "sft grpo", "0..10000000")
     grad_clip: float = opt(1.0, "sft grpo", "[0, 1e6]")  # clips the global grad L2 norm; 0 = off

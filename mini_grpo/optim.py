@@ -11,9 +11,12 @@ from .fields import show
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                   betas=(0.9, 0.99), fused: bool = True) -> torch.optim.AdamW:
+                   betas=(0.9, 0.99), fused: bool = True, eps: float = 1e-8) -> torch.optim.AdamW:
     """Decay matrices only (not biases, LayerNorm or embeddings' 1-D params).
 
+    eps: AdamW's floor under each coordinate's gradient scale: a coordinate whose gradients
+    are far below it moves far less than `lr` a step (an RL gradient is mostly noise on most
+    coordinates, which the default 1e-8 moves as far as those that carry the signal).
     fused=True: the fused AdamW kernel (CUDA, and CPU in torch >= 2.4); False: the plain
     per-parameter loop (no foreach), the slow baseline benchmark.py compares against.
 
@@ -28,9 +31,9 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if fused:
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     else:
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
     opt.register_step_post_hook(_written)
     return opt
 

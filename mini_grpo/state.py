@@ -61,7 +61,8 @@ class TrainState:
         self.identity = run.identity()  # what every checkpoint carries besides weights
         self.lr, self.total, self.warmup = lr, total, warmup
         self.directory, self.keep = (Path(directory) if directory else None), keep
-        self.opt = make_optimizer(run.model, lr, cfg.weight_decay, fused=cfg.fused_optimizer)
+        self.opt = make_optimizer(run.model, lr, cfg.weight_decay, fused=cfg.fused_optimizer,
+                                  eps=cfg.adam_eps)
         self.probe = UpdateProbe([p for p in run.model.parameters() if p.requires_grad])
         precision = self.precision
         uses = precision.dtype is not None or (tag == "grpo" and

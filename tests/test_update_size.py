@@ -54,3 +54,15 @@ def test_each_logged_step_has_its_update_size(tmp_path):
     rows = [r for r in metrics(tmp_path / "run") if "update_size" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(0 < r["update_size"] < 1 for r in rows), rows
+
+
+def test_adam_eps_reaches_the_optimizer_and_damps_the_update(tmp_path):
+    """adam_eps: with a floor far above the tiny model's gradient scale (1.0 against gradients
+    of ~1e-3 a coordinate) the same first step moves the weights far less than with 1e-8."""
+    sizes = {}
+    for eps in (1e-8, 1.0):
+        train(tiny(tmp_path / f"eps{eps}", adam_eps=eps, max_steps=1, eval_every=100,
+                   save_every=100))
+        sizes[eps] = [r["update_size"] for r in metrics(tmp_path / f"eps{eps}")
+                      if "update_size" in r][0]
+    assert 0 < sizes[1.0] < sizes[1e-8] / 10, sizes
