@@ -12,10 +12,11 @@ Exit codes: 0 ok, 2 bad input (one line on stderr), 1 any other failure.
 import os
 import sys
 
-from mini_grpo.cli import leave, train_main
+from mini_grpo.cli import exit_on_sigterm, leave, train_main
 
 
 def main() -> int:
+    exit_on_sigterm()  # a killed run stops its reward workers too
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # plain python: keep config errors instant
         return train_main(sys.argv[1:])
     # under torchrun, @record writes this rank's traceback where the launcher reports it

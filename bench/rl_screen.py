@@ -50,7 +50,8 @@ def run_variant(name: str, flags: list[str], a) -> dict:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith(("[eval]", "[mini-grpo] step")) or "error" in line.lower():
+        if line.startswith(("[eval]", "[mini-grpo] step", "step ", "[sft] step")) \
+                or "error" in line.lower():
             print(f"  {name}: {line.rstrip()}", flush=True)
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -65,11 +66,14 @@ def run_variant(name: str, flags: list[str], a) -> dict:
         vals = [r[key] for r in part if key in r]
         return round(statistics.fmean(vals), 6) if vals else None
 
-    return {"name": name, "flags": flags, "steps": len(steps),
+    return {"name": name, "flags": flags, "seed": a.seed, "steps": len(steps),
             "reward_first_third": mean("reward/mean", steps[:third]),
             "reward_last_third": mean("reward/mean", steps[-third:]),
             "diagnostics_mean": {k: mean(k, steps) for k in DIAGNOSTICS},
-            "median_step_s": round(statistics.median(r["time/step"] for r in steps), 2),
+            # a variant of another mode (--mode=rft: RFT on the model's own samples) has no
+            # GRPO steps: its reward and step figures are None, its validation says it all
+            "median_step_s": round(statistics.median(r["time/step"] for r in steps), 2)
+            if steps else None,
             "wall_min": round((time.monotonic() - t0) / 60, 2),
             "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
             # training questions set apart (num_val), never the held-out set
@@ -90,7 +94,9 @@ def main() -> None:
     a = ap.parse_args()
     save = claim(a.json, __file__)
     result = json.loads(Path(a.json).read_text()) if a.json and Path(a.json).is_file() else {}
-    result.update({"cpu": cpu_name(), "sft": a.sft, "steps": a.steps, "seed": a.seed})
+    for stale in ("steps", "seed"):  # each run's own now (earlier files held one for all)
+        result.pop(stale, None)
+    result.update({"cpu": cpu_name(), "sft": a.sft})
     result.setdefault("runs", [])
     for spec in a.variants:
         name, _, flags = spec.partition(":")

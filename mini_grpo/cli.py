@@ -410,16 +410,21 @@ def _terminated(signum, frame) -> NoReturn:
     raise SystemExit(128 + signum)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (kill, a scheduler, torchrun stopping a launch) ends the command as an
+    exception does, so that what it started or was writing is cleaned up: the reward worker
+    processes stopped rather than left orphaned, a temporary export (hundreds of MB) removed
+    rather than left for good. Exit code 143, as the signal's default gives."""
+    signal.signal(signal.SIGTERM, _terminated)
+
+
 COMMANDS = {"train": train_main, "evaluate": evaluate_main, "sample": sample_main,
             "rft-generate": rft_generate_main, "export": export_main,
             "vllm-serve": vllm_serve_main, "import-gguf": import_gguf_main}
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM (kill, a scheduler, torchrun stopping a launch) ends the command as an exception
-    # does, so that what it was writing is cleaned up: a temporary export, hundreds of MB,
-    # removed rather than left for good (exit code 143, as the signal's default gives)
-    signal.signal(signal.SIGTERM, _terminated)
+    exit_on_sigterm()
     argv = sys.argv[1:] if argv is None else argv
     if argv in (["--help"], ["-h"]):  # asked for: stdout, exit 0
         print(__doc__.split("\n\n")[1])

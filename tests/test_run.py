@@ -1,8 +1,10 @@
 """setup(cfg) -> Run and the entry points around it: bad input is one line and exit 2 before
 any work, checkpoints are untrusted input."""
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -225,3 +227,50 @@ def test_a_plugin_that_fails_every_row_exits_2_with_one_line(tmp_path):
         "--rewards=[{name: 'broken:fn'}, {name: levenshtein}]",
         env={"PYTHONPATH": f"{ROOT}:{tmp_path}"}))
     assert "reward plugin 'fn' failed on" in line and "KeyError: 'no such column'" in line
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_terminated_run_stops_its_reward_workers(tmp_path):
+    """SIGTERM (kill, a scheduler) to distributed_train.py: the run ends as an exception ends
+    it (exit 143), and its reward worker processes end with it instead of lingering as
+    orphans (they did: the trainer died on the signal's default, cleaning up nothing)."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, str(ROOT / "distributed_train.py"), "--config", "tiny",
+                          *(f"--{k}={v}" for k, v in TINY.items()), "--out_dir=run",
+                          "--mode=grpo", "--max_steps=100000", "--reward_executor=process",
+                          "--num_reward_workers=2", "--log_every=1"],
+                         cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in p.stdout:  # the first step's line: the workers have scored a batch
+            if line.startswith("step 1/"):
+                break
+        workers = _children(p.pid)
+        assert workers, "no reward workers to watch"
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGTERM
+    for _ in range(100):  # they are told to stop, then joined: give them a moment
+        alive = [w for w in workers if os.path.exists(f"/proc/{w}")
+                 and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        if not alive:
+            break
+        time.sleep(0.1)
+    assert not alive, f"reward workers left running: {alive}"
