@@ -14,7 +14,8 @@ questions (`--num_val`, default 200, set apart by the config's `num_val`; the SF
 must be trained with the same), never on the held-out set a result is reported on, which these
 runs do not evaluate. Also recorded:
 the diagnostics of a flat reward (zero_spread_frac, update_size, grad_norm, entropy, clip
-fractions), the median step time and the peak RSS (wait4). The JSON gains each run as it ends.
+fractions), the median step time and the peak RSS (wait4). The JSON gains each run as it ends;
+`bench/rl_screen.py --table FILE` prints its runs as a markdown table.
 """
 
 from __future__ import annotations
@@ -82,8 +83,31 @@ def run_variant(name: str, flags: list[str], a) -> dict:
                          and "greedy" in ev[stage]}}
 
 
+def table(result: dict) -> str:
+    """The runs of a screen's JSON as a markdown table, the SFT checkpoint's row first."""
+    rows = ["| variant | flags | steps | train reward, first -> last third | validation greedy "
+            "| validation sampled | zero-spread | update size | step s | peak RSS GB |",
+            "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in result["runs"]:
+        v, d = r["validation"], r["diagnostics_mean"]
+        reward = "-" if r["reward_first_third"] is None else \
+            f"{r['reward_first_third']:.3f} -> {r['reward_last_third']:.3f}"
+        after = v.get("after", {})
+        rows.append(
+            f"| {r['name']} | `{' '.join(r['flags'])}` | {r['steps']} | {reward} | "
+            f"{v['before']['greedy']:.3f} -> {after.get('greedy', float('nan')):.3f} | "
+            f"{v['before']['sampled']:.3f} -> {after.get('sampled', float('nan')):.3f} | "
+            + " | ".join("-" if x is None else f"{x:.3g}" for x in (
+                d["zero_spread_frac"], d["update_size"], r["median_step_s"], r["peak_rss_gb"]))
+            + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if sys.argv[1:2] == ["--table"]:  # bench/rl_screen.py --table FILE: print, run nothing
+        print(table(json.loads(Path(sys.argv[2]).read_text())))
+        return
     ap.add_argument("--sft", required=True, help="the SFT stage's checkpoint to start from")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--num_val", type=int, default=200,
