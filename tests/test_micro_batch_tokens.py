@@ -245,3 +245,36 @@ def test_a_job_shaped_step_computes_each_prompt_about_once():
     for b in plan:
         assert len(b) <= 16
         assert len({i // 8 for i in b}) * 60 + len(b) * (max(lengths[i] for i in b) - 1) <= 384
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_policy_gradient_is_each_rows_own_computed_alone(arch):
+    """The passes' gradient (shared prompts, ragged rows, left padding, the plan's cuts) is
+    the one of the loss written out row by row: each row alone through the model, prompt then
+    completion, log-softmax(logits / T) at its completion tokens, -A x log p over the batch's
+    loss tokens (ratio 1, dapo). A GPT, and a Llama (RoPE positions, GQA, tied head) as
+    SmolLM2 is."""
+    r, rewards, _ = make_batch(seed=3)
+    cfg = load_config(None, {"group_size": G, "beta": 0.0, "use_amp": "false",
+                             "micro_batch_size": 64, "loss_agg": "dapo"}, env={})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32)) \
+        if arch == "gpt" else Llama(LlamaConfig(
+            vocab_size=24, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+            head_dim=8, n_inner=64, tie_word_embeddings=True))
+    traj = Trajectory.of(r, rewards, cfg)
+    policy_pass(model, traj, cfg)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss, T = 0.0, r.sampling.temperature
+    for b in range(len(rewards)):
+        p, n = r.prompt_ids[b][r.prompt_mask[b]], int(r.completion_mask[b].sum())
+        out = model(torch.cat([p, r.completion_ids[b][:n]])[None])
+        logits = out[0] if isinstance(out, tuple) else out
+        logp = torch.log_softmax(logits[0, len(p) - 1:len(p) - 1 + n].float() / T, -1)
+        tok = logp.gather(1, r.completion_ids[b][:n, None]).squeeze(1)
+        loss = loss - (traj.advantages[b] * tok * traj.loss_mask[b][:n]).sum()
+    (loss / traj.loss_mask.sum()).backward()
+    assert (traj.advantages != 0).sum() > 4
+    for a, w in zip(got, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-7)
