@@ -31,6 +31,16 @@ def zero_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(dim=1).values == r.min(dim=1).values
 
 
+def signal_first(rewards: torch.Tensor, group_size: int, keep: int) -> list[int]:
+    """(B,) rewards of B/G groups -> the rows of `keep` groups, those whose rewards differ
+    first, each part in its sampled order (dynamic_sampling_factor: DAPO's refill, drawn in
+    one round; a batch short of such groups is filled with zero-spread ones, which
+    dynamic_sampling then drops)."""
+    zero = zero_spread(rewards, group_size).tolist()
+    order = [g for g, z in enumerate(zero) if not z] + [g for g, z in enumerate(zero) if z]
+    return [g * group_size + i for g in sorted(order[:keep]) for i in range(group_size)]
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
                      eps: float = 1e-4, batch_std: torch.Tensor | float | None = None):
     """rewards (B,) grouped as B/G consecutive groups -> advantages (B,).

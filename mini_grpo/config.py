@@ -209,6 +209,9 @@ class GRPOConfig:
     # all tokens / their number in the global batch; dr_grpo = sum / (rows x max_new_tokens)
     loss_agg: Literal["grpo", "dapo", "dr_grpo"] = opt("dapo", "loss")
     dynamic_sampling: bool = opt(False, "grpo")  # drop groups whose rewards are all equal
+    # with dynamic_sampling: draw this many times prompts_per_step prompts a step and keep
+    # prompts_per_step groups, those whose rewards differ first (DAPO's refill, in one round)
+    dynamic_sampling_factor: int = opt(1, "grpo", "1..64")
     # off-policy sequence masking (DeepSeek-V3.2): a row of negative advantage whose policy is
     # more than this (mean log pi_sampler - log pi) from the sampler's carries no loss; 0 = off
     off_policy_mask: float = opt(0.0, "loss", "[0, 1e6]")
@@ -302,6 +305,14 @@ class GRPOConfig:
             raise ConfigError(f"prompts_per_step: {self.prompts_per_step:,} prompts x group_size "
                               f"{self.group_size:,} = {rows:,} rows per step, more than "
                               f"{MAX_GENERATED:,}")
+        if self.dynamic_sampling_factor > 1 and not self.dynamic_sampling:
+            raise ConfigError(f"dynamic_sampling_factor: {self.dynamic_sampling_factor} draws "
+                              f"more prompts to keep the groups with signal; it needs "
+                              f"dynamic_sampling: true")
+        if rows * self.dynamic_sampling_factor > MAX_GENERATED:
+            raise ConfigError(f"dynamic_sampling_factor: {self.dynamic_sampling_factor} x "
+                              f"{rows:,} rows per step is more than {MAX_GENERATED:,} rows "
+                              f"to sample")
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")

@@ -106,6 +106,11 @@ class ScoreResult:
     columns: dict[str, np.ndarray]  # plugin -> (N,), after on_error substitution
     metrics: dict[str, float]  # reward/<plugin>/seconds, reward/<plugin>/failures, reward/seconds
 
+    def take(self, rows: list[int]) -> ScoreResult:
+        """The scores of rows `rows` alone (Rollout.take's); the scorer's metrics stay."""
+        return ScoreResult(self.total[rows], {k: v[rows] for k, v in self.columns.items()},
+                           self.metrics)
+
 
 class RewardScorer:
     """Weighted reward plugins over one executor; names resolve (and pools start) at once."""

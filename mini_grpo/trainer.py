@@ -26,6 +26,7 @@ import torch
 
 from . import distributed as D
 from . import faults
+from .advantages import signal_first, zero_spread
 from .data import batch_indices, shard
 from .engines import Sampling
 from .engines.turns import COUNTS
@@ -63,7 +64,8 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         faults.step_start(step, dist)
         t_step, times = time.perf_counter(), {}
         # ---- prompts: this rank's share of the global batch; a group never spans ranks
-        idx = batch_indices(len(task.train), cfg.prompts_per_step, step - 1, cfg.seed + 1)
+        idx = batch_indices(len(task.train), cfg.prompts_per_step * cfg.dynamic_sampling_factor,
+                            step - 1, cfg.seed + 1)
         rows = [task.train[i] for i in shard(idx, dist.rank, dist.world_size)
                 for _ in range(cfg.group_size)]  # group-major: (B * G,)
 
@@ -79,6 +81,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         # ---- rewards; the step's record: advantages, global normalisers, micro-batch plan
         res = score(run.scorer, rows, r.texts, r.lengths(), cfg.max_new_tokens,
                     r.conversations, r.env_rewards)
+        rows, r, res, sampled = keep_signal(rows, r, res, cfg, dist)
         traj = Trajectory.of(r, torch.tensor(res.total, dtype=torch.float32,
                                              device=run.device), cfg, model)
         times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -113,7 +116,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         seconds = time.perf_counter() - t_step
         late = None if not cfg.max_minutes else \
             limit is not None and step < cfg.max_steps and not limit.next_fits(seconds)
-        m = step_metrics(traj, res, stats, cfg, times, seconds, late)
+        m = step_metrics(traj, res, stats, cfg, times, seconds, late, sampled)
         last = step == cfg.max_steps or bool(m.get("time/limit_reached"))
         m.update(state.metrics(), **comm_times(run.comm))
         # the last step is logged whatever log_every: the row the final checkpoint and the
@@ -137,6 +140,22 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
                 run.logger.event(step, limit.why())
             break
     return state
+
+
+def keep_signal(rows: list, r, res, cfg, dist):
+    """dynamic_sampling_factor k > 1: of this rank's k x its share of groups, its share, those
+    whose rewards differ first (advantages.signal_first) -> (rows, rollout, scores, the sums
+    over all it sampled for the metrics); k = 1: all as they are, and no sums."""
+    if cfg.dynamic_sampling_factor == 1:
+        return rows, r, res, None
+    total = torch.as_tensor(res.total, dtype=torch.float32)
+    G = cfg.group_size
+    keep = signal_first(total, G, len(shard(range(cfg.prompts_per_step), dist.rank,
+                                            dist.world_size)))
+    sampled = {"sampled/reward": total.sum().double(), "sampled/rows": float(len(total)),
+               "sampled/zero": zero_spread(total, G).sum().double(),
+               "sampled/groups": float(len(total) // G)}
+    return [rows[i] for i in keep], r.take(keep), res.take(keep), sampled
 
 
 @dataclass
@@ -257,16 +276,17 @@ def comm_times(comm) -> dict[str, float]:
 
 
 def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
-                 seconds: float, late: bool | None = None) -> dict:
+                 seconds: float, late: bool | None = None, sampled: dict | None = None) -> dict:
     """The step's metrics over all ranks, from one collective (D.reduce_named). `late`:
     whether this rank finds no room for another step (None: no time limit); any rank's
-    verdict ends GRPO on all of them (time/limit_reached)."""
+    verdict ends GRPO on all of them (time/limit_reached). `sampled`: keep_signal's sums over
+    all it drew (the kept rows' reward is biased toward groups with signal)."""
     lengths = traj.completion_mask.sum(1).float()
     sums = {**{f"acc/{f.name}": getattr(stats, f.name) for f in fields(stats)},
             "len": lengths.sum(), "zero": traj.zero_spread.float().sum(),
             "truncated": (~traj.finished).float().sum(),
             "groups": float(traj.zero_spread.numel()),
-            "prompt_tokens": traj.prompt_mask.sum().float()}
+            "prompt_tokens": traj.prompt_mask.sum().float(), **(sampled or {})}
     if traj.turn_counts is not None:  # multi-turn: the same on every rank (the config's)
         for k, col in zip(COUNTS, traj.turn_counts.T):
             sums[f"turns/{k}"] = col.sum()
@@ -302,6 +322,9 @@ def step_metrics(traj: Trajectory, res, stats: StepStats, cfg, times: dict,
         mean = red[f"{k}/s1"] / n
         m[f"reward/{k}/mean"] = mean
         m[f"reward/{k}/std"] = max(red[f"{k}/s2"] / n - mean**2, 0.0) ** 0.5
+    if sampled:  # all the groups drawn, before keep_signal chose among them
+        m["reward/sampled_mean"] = red["sampled/reward"] / red["sampled/rows"]
+        m["zero_spread_frac/sampled"] = red["sampled/zero"] / red["sampled/groups"]
     m.update({f"time/{k}": v for k, v in times.items()})
     m["time/step"] = seconds
     if late is not None:

@@ -136,3 +136,56 @@ def test_kl_in_the_reward_and_top_entropy_masking_train(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) for r in rows)
     assert rows[0]["kl"] == 0.0 < rows[1]["kl"]  # the reference is step 1's policy
+
+
+def test_dynamic_sampling_keeps_the_groups_with_signal_first():
+    """signal_first by hand; Rollout.take and ScoreResult.take pick the same rows."""
+    import numpy as np
+
+    from mini_grpo.advantages import signal_first
+    from mini_grpo.engines.base import Rollout, Sampling
+    from mini_grpo.scoring import ScoreResult
+
+    # groups of 2: (1, 1) none, (0, 1) signal, (0, 0) none, (1, 0) signal
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert signal_first(rewards, 2, 2) == [2, 3, 6, 7]
+    assert signal_first(rewards, 2, 3) == [0, 1, 2, 3, 6, 7]  # short: the first zero-spread
+    assert signal_first(rewards, 2, 1) == [2, 3]
+    ids = torch.arange(8)[:, None]
+    ones = torch.ones(8, 1, dtype=torch.bool)
+    r = Rollout(ids, ones, ids + 10, ones, ids.float(), torch.ones(8, dtype=torch.bool),
+                texts=[str(i) for i in range(8)], nonfinite=torch.tensor(False),
+                sampling=Sampling(2))
+    t = r.take([2, 3, 6, 7])
+    assert t.prompt_ids.view(-1).tolist() == [2, 3, 6, 7] and t.texts == ["2", "3", "6", "7"]
+    assert t.completion_ids.view(-1).tolist() == [12, 13, 16, 17] and t.sampling is r.sampling
+    res = ScoreResult(rewards.numpy().astype(np.float64), {"a": np.arange(8.0)}, {"x": 1.0})
+    kept = res.take([2, 3, 6, 7])
+    assert kept.total.tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert kept.columns["a"].tolist() == [2, 3, 6, 7]
+    with pytest.raises(ConfigError, match="dynamic_sampling_factor: 3 .* needs dynamic_samp"):
+        tiny(None, dynamic_sampling_factor=3)
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_signal(tmp_path,
+                                                                          monkeypatch):
+    """A run drawing 3x the prompts keeps prompts_per_step groups, those with signal first:
+    the kept zero-spread groups are exactly those the signal ones could not fill. The reward
+    is binary (an answer of even length), so some groups of 4 have none."""
+    from mini_grpo.job import train
+
+    (tmp_path / "parity_reward.py").write_text(
+        "def even(prompts, completions, targets, metas):\n"
+        "    return [float(len(c) % 2 == 0) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny(tmp_path / "run", dynamic_sampling=True, dynamic_sampling_factor=3, max_steps=3,
+               eval_every=100, save_every=100, rewards=[{"name": "parity_reward:even"}])
+    train(cfg)
+    rows = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    P = cfg.prompts_per_step
+    for r in rows:
+        signal = round((1 - r["zero_spread_frac/sampled"]) * 3 * P)
+        assert round(r["zero_spread_frac"] * P) == max(0, P - signal)
+        assert 0 <= r["reward/sampled_mean"] <= 1 and math.isfinite(r["loss"])
+    assert any(0 < r["zero_spread_frac/sampled"] < 1 for r in rows), "no step tells anything"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import torch
@@ -84,6 +84,15 @@ class Rollout:
     def lengths(self) -> list[int]:
         """Each completion's length in tokens (EOS included)."""
         return self.completion_mask.sum(1).tolist()
+
+    def take(self, rows: list[int]) -> Rollout:
+        """The rollout of rows `rows` alone, in that order (dynamic_sampling_factor keeps
+        the groups that carry signal); what is not per row (nonfinite, sampling) stays."""
+        def pick(v):
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return v[torch.tensor(rows, dtype=torch.long, device=v.device)]
+            return [v[i] for i in rows] if isinstance(v, list) else v
+        return replace(self, **{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
 def pad_left(seqs: list[list[int]], pad_id: int, device=None):
