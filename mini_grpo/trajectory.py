@@ -134,9 +134,7 @@ class Trajectory:
         fractions) are of the rows it carried."""
         G = cfg.group_size
         zero = zero_spread(rewards, G)
-        loss_mask = r.completion_mask  # multi-turn: the model's own tokens alone
-        if r.model_mask is not None:
-            loss_mask = loss_mask & r.model_mask
+        loss_mask = r.completion_mask & r.model_mask  # multi-turn: the model's own alone
         if cfg.dynamic_sampling:
             loss_mask = loss_mask & (~zero).repeat_interleave(G)[:, None]
         if cfg.mask_truncated:  # DAPO: cut-off rows teach nothing
@@ -160,15 +158,13 @@ class Trajectory:
         plan = tuple(cut(rows, live, r.prompt_mask, G) for rows in row_batches(
             r.prompt_mask, live, cfg.micro_batch_size, G, cfg.micro_batch_tokens))
         pad = 0 if model is None else fsdp.pad_passes(model, len(plan), rewards.device)
-        nonfinite = r.nonfinite if r.nonfinite is not None else \
-            torch.zeros((), dtype=torch.bool, device=rewards.device)
-        if r.sampling is None:  # re-scoring must use what sampling used, not a guess
-            raise ValueError("Trajectory.of: the rollout does not say how it was sampled "
-                             "(Rollout.sampling); every engine sets it")
-        return cls(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, loss_mask,
-                   r.finished, r.logprobs, nonfinite, r.sampling, G, rewards, adv, zero, n,
-                   seqs.clamp(min=1), tokens.clamp(min=1), mean, std, plan, pad,
-                   turn_counts=r.turn_counts)
+        return cls(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask,
+                   completion_ids=r.completion_ids, completion_mask=r.completion_mask,
+                   loss_mask=loss_mask, finished=r.finished, sampling_logp=r.logprobs,
+                   nonfinite=r.nonfinite, sampling=r.sampling, group_size=G, rewards=rewards,
+                   advantages=adv, zero_spread=zero, num_rows=n, num_seqs=seqs.clamp(min=1),
+                   num_tokens=tokens.clamp(min=1), reward_mean=mean, reward_std=std,
+                   plan=plan, pad=pad, turn_counts=r.turn_counts)
 
     def penalised(self, r: Rollout, penalty: torch.Tensor, cfg, model=None) -> Trajectory:
         """The record of the same rollout with advantages of its rewards less `penalty` (B,)

@@ -47,6 +47,31 @@ def tiny(out_dir=None, **overrides):
                                 for k, v in over.items()}, env={})
 
 
+def make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs=None,
+                 finished=None, sampling=None, **kw):
+    """A Rollout as an engine's single-turn one: logprobs 0, every row finished, sampled at
+    temperature 1 unless given; `kw`: any other field (model_mask, texts, ...)."""
+    from mini_grpo.engines.base import Rollout, Sampling
+
+    B, N = completion_ids.shape
+    kw.setdefault("model_mask", completion_mask)
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                   completion_ids=completion_ids, completion_mask=completion_mask,
+                   logprobs=torch.zeros(B, N) if logprobs is None else logprobs,
+                   finished=torch.ones(B, dtype=torch.bool) if finished is None else finished,
+                   nonfinite=kw.pop("nonfinite", torch.tensor(False)),
+                   sampling=Sampling(N, 1.0) if sampling is None else sampling, **kw)
+
+
+def rows_rollout(lengths, plen=3):
+    """A rollout of completions of `lengths` tokens after prompts of `plen`, and its mask."""
+    B = len(lengths)
+    cmask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    return make_rollout(torch.zeros(B, plen, dtype=torch.long),
+                        torch.ones(B, plen, dtype=torch.bool),
+                        torch.zeros_like(cmask, dtype=torch.long), cmask), cmask
+
+
 def tiny_gpt(seed: int = 0, vocab_size: int = 24) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=2, n_head=2,

@@ -14,6 +14,7 @@ import sys
 from contextlib import nullcontext
 
 import torch
+from conftest import make_rollout
 
 from mini_grpo import distributed as D
 from mini_grpo.config import load_config
@@ -68,15 +69,12 @@ def make_batch(seed: int):
     ref_lp = (-torch.rand(B, N, generator=g) * 3).masked_fill(~cmask, 0)
     rewards = torch.rand(B, generator=g)
     rewards[:G] = 0.5  # one zero-spread group
-    r = Rollout(pids, pmask, cids, cmask, old_lp, torch.ones(B, dtype=torch.bool),
-                sampling=Sampling(N, temperature=0.7))
+    r = make_rollout(pids, pmask, cids, cmask, old_lp, sampling=Sampling(N, temperature=0.7))
     return r, rewards, ref_lp
 
 
 def take(r: Rollout, rows: slice) -> Rollout:
-    return Rollout(r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
-                   r.completion_mask[rows], r.logprobs[rows], r.finished[rows],
-                   sampling=r.sampling)
+    return r.take(list(range(len(r.finished)))[rows])
 
 
 def gradient(net, r, rewards, ref_lp, cfg) -> None:

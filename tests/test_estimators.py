@@ -141,9 +141,9 @@ def test_kl_in_the_reward_and_top_entropy_masking_train(tmp_path):
 def test_dynamic_sampling_keeps_the_groups_with_signal_first():
     """signal_first by hand; Rollout.take and ScoreResult.take pick the same rows."""
     import numpy as np
+    from conftest import make_rollout
 
     from mini_grpo.advantages import signal_first
-    from mini_grpo.engines.base import Rollout, Sampling
     from mini_grpo.scoring import ScoreResult
 
     # groups of 2: (1, 1) none, (0, 1) signal, (0, 0) none, (1, 0) signal
@@ -153,9 +153,7 @@ def test_dynamic_sampling_keeps_the_groups_with_signal_first():
     assert signal_first(rewards, 2, 1) == [2, 3]
     ids = torch.arange(8)[:, None]
     ones = torch.ones(8, 1, dtype=torch.bool)
-    r = Rollout(ids, ones, ids + 10, ones, ids.float(), torch.ones(8, dtype=torch.bool),
-                texts=[str(i) for i in range(8)], nonfinite=torch.tensor(False),
-                sampling=Sampling(2))
+    r = make_rollout(ids, ones, ids + 10, ones, ids.float(), texts=[str(i) for i in range(8)])
     t = r.take([2, 3, 6, 7])
     assert t.prompt_ids.view(-1).tolist() == [2, 3, 6, 7] and t.texts == ["2", "3", "6", "7"]
     assert t.completion_ids.view(-1).tolist() == [12, 13, 16, 17] and t.sampling is r.sampling

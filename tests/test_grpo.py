@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mini_grpo.advantages import group_advantages, zero_spread
-from mini_grpo.engines.base import Sampling
 from mini_grpo.grpo import LossSettings, grpo_loss
 from mini_grpo.logprobs import completion_logprobs
 
@@ -259,9 +258,8 @@ def test_top_entropy_masking_keeps_the_policy_term_of_the_highest_entropy_tokens
 
 
 def test_kl_in_the_reward_penalises_each_row_by_its_summed_kl_and_leaves_the_loss_without():
-    from conftest import tiny
+    from conftest import make_rollout, tiny
 
-    from mini_grpo.engines.base import Rollout
     from mini_grpo.fields import ConfigError
     from mini_grpo.grpo import kl_reward_penalty
     from mini_grpo.trajectory import Trajectory
@@ -285,9 +283,8 @@ def test_kl_in_the_reward_penalises_each_row_by_its_summed_kl_and_leaves_the_los
     # the trajectory's advantages are of the penalised rewards; its rewards stay the task's:
     # group 2's equal rewards (0.5, 0.5) less (0.2, 0) -> (0.3, 0.5), centred -> -0.1, +0.1
     cmask = torch.ones(4, 2, dtype=torch.bool)
-    r = Rollout(torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool),
-                torch.zeros(4, 2, dtype=torch.long), cmask, torch.zeros(4, 2),
-                torch.ones(4, dtype=torch.bool), sampling=Sampling(2))
+    r = make_rollout(torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool),
+                     torch.zeros(4, 2, dtype=torch.long), cmask)
     cfg = tiny(None, group_size=2, beta=0.5, kl_in_reward=True, scale_rewards="none")
     t = Trajectory.of(r, torch.tensor([1.0, 0.0, 0.5, 0.5]), cfg)
     p = t.penalised(r, torch.tensor([0.0, 0.0, 0.2, 0.0]), cfg)
@@ -328,17 +325,15 @@ def test_loss_settings_take_the_configs_defaults_and_have_none_of_their_own():
 def test_the_batch_std_of_offset_rewards_is_exact():
     """scale_rewards: batch divides by the global batch's std, from moments summed in one
     all-reduce: in float32, rewards of 100 + U(0, 0.1) got a std of 0 and advantages of ~760."""
-    from conftest import tiny
+    from conftest import make_rollout, tiny
 
-    from mini_grpo.engines.base import Rollout, Sampling
     from mini_grpo.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)
     B, G = 128, 8
     ones = torch.ones(B, 3, dtype=torch.bool)
-    r = Rollout(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.bool),
-                torch.ones(B, 3, dtype=torch.long), ones, torch.zeros(B, 3),
-                torch.ones(B, dtype=torch.bool), sampling=Sampling(3, 1.0))
+    r = make_rollout(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.bool),
+                     torch.ones(B, 3, dtype=torch.long), ones)
     cfg = tiny(None, group_size=G, scale_rewards="batch", beta=0.0)
     for base, spread in [(100.0, 0.1), (1000.0, 1.0)]:
         rewards = base + spread * torch.rand(B, generator=g)

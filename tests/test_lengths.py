@@ -4,6 +4,7 @@ SFT row longer than block_size is refused before any work."""
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,8 +39,7 @@ def test_truncated_rows_carry_no_loss():
     r, rewards, ref_lp = make_batch(seed=1)
     finished = torch.ones_like(r.finished)
     finished[[1, 6, 7]] = False  # hand-picked rows that hit max_new_tokens without EOS
-    r = Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
-                finished, sampling=r.sampling)
+    r = replace(r, finished=finished)
     traj, grads = gradient(r, rewards, ref_lp, mask_truncated=True)
     assert not traj.loss_mask[[1, 6, 7]].any() and traj.loss_mask[0].any()
     assert traj.completion_mask[[1, 6, 7]].any()  # still attended: only the loss leaves them
@@ -47,8 +47,7 @@ def test_truncated_rows_carry_no_loss():
     # anything the truncated rows hold changes nothing
     ids = r.completion_ids.clone()
     ids[[1, 6, 7]] = torch.randint(4, 24, ids[[1, 6, 7]].shape)
-    other = Rollout(r.prompt_ids, r.prompt_mask, ids, r.completion_mask, r.logprobs, finished,
-                    sampling=r.sampling)
+    other = replace(r, completion_ids=ids)
     _, same = gradient(other, rewards, ref_lp, mask_truncated=True)
     assert all(torch.equal(a, b) for a, b in zip(grads, same))
     # without the switch they do count
@@ -76,8 +75,7 @@ def test_a_step_whose_rows_all_carry_no_loss_still_runs_one_cheap_pass():
     """Every row cut off under mask_truncated: one row is kept so that every rank runs a
     backward, and it costs one completion column, not its whole completion."""
     r, rewards, _ = make_batch(seed=5)  # row 0: 10 tokens
-    r = Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
-                torch.zeros_like(r.finished), sampling=r.sampling)
+    r = replace(r, finished=torch.zeros_like(r.finished))
     cfg = load_config(None, {"mask_truncated": "true", "group_size": G}, env={})
     traj = Trajectory.of(r, rewards, cfg)
     assert not traj.loss_mask.any()

@@ -6,24 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import rows_rollout as rollout
 from ddp_grad_worker import G, PlainState, make_batch, sft_rows
 
 from mini_grpo.config import load_config
-from mini_grpo.engines.base import Rollout
 from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.models.llama import Llama, LlamaConfig
 from mini_grpo.sft import sft_loss, sft_pass
 from mini_grpo.state import TrainState
 from mini_grpo.trainer import policy_pass, step_metrics
 from mini_grpo.trajectory import Trajectory, cut, plan_micro_batches, row_batches
-
-
-def rollout(lengths, plen=3):
-    B = len(lengths)
-    cmask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
-    return Rollout(torch.zeros(B, plen, dtype=torch.long), torch.ones(B, plen, dtype=torch.bool),
-                   torch.zeros_like(cmask, dtype=torch.long), cmask, torch.zeros(cmask.shape),
-                   torch.ones(B, dtype=torch.bool)), cmask
 
 
 def test_a_budget_cuts_micro_batches_before_they_exceed_it():

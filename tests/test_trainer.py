@@ -214,16 +214,9 @@ def test_micro_batch_plan_sorts_by_length():
 
 
 def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
-    from mini_grpo.engines.base import Rollout
-    from mini_grpo.trajectory import row_batches
+    from conftest import rows_rollout as rollout
 
-    def rollout(lengths, plen=3):
-        B = len(lengths)
-        cmask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
-        return Rollout(torch.zeros(B, plen, dtype=torch.long),
-                       torch.ones(B, plen, dtype=torch.bool),
-                       torch.zeros_like(cmask, dtype=torch.long), cmask,
-                       torch.zeros(cmask.shape), torch.ones(B, dtype=torch.bool)), cmask
+    from mini_grpo.trajectory import row_batches
 
     # 4 groups of 2 rows whose completions are alike: whole groups, every prompt once;
     # group 1 is left out (no tokens), group 3 has the longest completions

@@ -165,6 +165,18 @@ class Scripted:
     def unanswered(self, row):
         self.cuts[row] = "unanswered"
 
+    # what TurnState.rollout reads of a conversation: nothing here
+    counts = torch.zeros(len(PROMPTS), 5)  # every test here samples 4 rows
+
+    def last_replies(self):
+        return None
+
+    def conversations(self):
+        return None
+
+    def env_rewards(self):
+        return None
+
 
 def test_with_no_turn_answered_the_rollout_equals_the_single_turn_one_bit_for_bit():
     m, eos = eos_heavy()
@@ -216,6 +228,55 @@ def test_an_answer_that_does_not_fit_ends_the_row_as_cut_off():
     for g, seen in turns.seen.items():
         assert not r.finished[g] and len(seen) == 1 and turns.cuts[g] == "unanswered"
         assert torch.equal(r.model_mask[g], r.completion_mask[g])
+
+
+@pytest.mark.parametrize("budget, own, finished, cut", [
+    # a turn is [7, 8, EOS]; each answer 3 ids; two rounds answered, then the row is over
+    (20, "TTTFFFTTTFFFTTT", True, None),
+    (14, "TTTFFFTTTFFFTT", False, [7, 8]),  # out of tokens in its third turn
+    (8, "TTTFFFTT", False, [7, 8]),
+    (6, "TTT", False, "unanswered"),  # the answer fits, but no token of its own after it
+])
+def test_vllm_s_rounds_keep_the_native_engine_s_rules(budget, own, finished, cut):
+    """protocol.complete_turns drives the same TurnState as native.generate: where answers
+    go, what is the model's own, when a row is finished or cut off."""
+    from types import SimpleNamespace
+
+    from mini_grpo.engines.base import Sampling
+    from mini_grpo.engines.protocol import complete_turns, to_rollout
+    from mini_grpo.engines.turns import TurnState
+
+    def request(prefixes, budgets, seeds):  # each turn [7, 8, EOS], cut to the row's budget
+        return [[7, 8, 3][:b] for b in budgets], [[-1.0, -1.0, -1.0][:b] for b in budgets]
+
+    turns = Scripted([4, 5, 20], rounds=2)
+    prompts = [[1, 2]] * len(PROMPTS)
+    state = TurnState(turns, len(prompts), budget)
+    toks, lps = complete_turns(request, state, prompts, budget, [3], [0] * len(prompts))
+    tok = SimpleNamespace(pad_id=0, eos_ids=[3], decode=str)
+    r = state.rollout(to_rollout(tok, prompts, toks, lps, "cpu", Sampling(budget)))
+    for g in range(len(prompts)):
+        mine = r.model_mask[g][r.completion_mask[g]]
+        assert "".join("T" if x else "F" for x in mine.tolist()) == own
+        assert r.completion_ids[g][r.completion_mask[g]][~mine].tolist() == \
+            [4, 5, 20] * own.count("FFF")
+        assert (r.logprobs[g][r.completion_mask[g]][~mine] == 0).all()
+        assert bool(r.finished[g]) == finished and turns.cuts.get(g) == cut
+
+
+def test_a_rollout_says_which_tokens_are_the_model_s():
+    """No engine can leave model_mask out (it is required) or give it another shape."""
+    from conftest import make_rollout
+
+    from mini_grpo.engines.base import Rollout, Sampling
+
+    ids, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="model_mask"):
+        Rollout(prompt_ids=ids, prompt_mask=mask, completion_ids=ids, completion_mask=mask,
+                logprobs=torch.zeros(2, 3), finished=mask[:, 0], nonfinite=torch.tensor(False),
+                sampling=Sampling(3))
+    with pytest.raises(ValueError, match=r"model_mask is \(2, 2\), completion_ids \(2, 3\)"):
+        make_rollout(ids, mask, ids, mask, model_mask=mask[:, :2])
 
 
 def rollout_with_answers(m, eos, answer):

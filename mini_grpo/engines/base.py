@@ -62,24 +62,35 @@ class WeightsSeen:
         self.seen = [(weakref.ref(p), p._version) for p in model.parameters()]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Rollout:
+    """What an engine sampled, built once by keyword (dataclasses.replace for a changed
+    copy): the model's own tokens (`model_mask`) are always said, so a multi-turn engine
+    cannot leave the loss on its tools' tokens by forgetting them."""
     prompt_ids: torch.Tensor  # (B, P) left-padded with pad_id
     prompt_mask: torch.Tensor  # (B, P) bool, True on real prompt tokens
     completion_ids: torch.Tensor  # (B, N) pad_id after each row's EOS
     completion_mask: torch.Tensor  # (B, N) bool, True up to and including EOS
     logprobs: torch.Tensor  # (B, N) fp32 log-prob of each sampled token, 0 where masked
     finished: torch.Tensor  # (B,) bool, the row emitted EOS (else it hit max_new_tokens)
-    texts: list[str] | None = None  # decoded completions, without EOS
-    nonfinite: torch.Tensor | None = None  # 0-d bool: some logits were NaN/Inf while sampling
-    sampling: Sampling | None = None  # how it was drawn (every engine says): re-scoring
-    # uses its temperature
-    # multi-turn rollouts (turns.py): the completion holds the model's turns and what
-    # answered them (tools' results, the chat template's turn markers), all attended to
-    model_mask: torch.Tensor | None = None  # (B, N) bool, the model's own tokens: the loss's
+    # (B, N) bool, the model's own tokens, the loss's: completion_mask for a single turn; a
+    # multi-turn rollout's completion also holds what answered its turns (tools' results,
+    # the chat template's turn markers), attended to and not the model's (turns.TurnState)
+    model_mask: torch.Tensor
+    nonfinite: torch.Tensor  # 0-d bool: some logits were NaN/Inf while sampling
+    sampling: Sampling  # how it was drawn: re-scoring uses its temperature
+    texts: list[str] | None = None  # decoded completions, without EOS (None: ids alone)
+    # multi-turn rollouts (turns.py)
     conversations: list[list[dict]] | None = None  # each row's messages after its prompt
     turn_counts: torch.Tensor | None = None  # (B, 5) turns.COUNTS: calls ... broken
     env_rewards: list[float] | None = None  # an environment's reward parts, summed per row
+
+    def __post_init__(self):
+        shape = tuple(self.completion_ids.shape)
+        for name in ("completion_mask", "logprobs", "model_mask"):
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"Rollout: {name} is {tuple(getattr(self, name).shape)}, "
+                                 f"completion_ids {shape}")
 
     def lengths(self) -> list[int]:
         """Each completion's length in tokens (EOS included)."""

@@ -43,7 +43,6 @@ from ..models.hf import hf_spec, hf_tensors
 from .base import EngineError, Rollout, WeightsSeen
 from .protocol import (
     check_servable,
-    complete_turns,
     engine_config,
     row_seeds,
     sampling_options,
@@ -51,7 +50,7 @@ from .protocol import (
     to_rollout,
     turns_rollout,
 )
-from .turns import ToolSetup, Turns
+from .turns import ToolSetup
 
 # what a rollout does not depend on: the longest sequence (max_model_len is checked on its
 # own), dropout, and a tied head (the engine's is untied: protocol.engine_config)
@@ -203,12 +202,9 @@ class ServerEngine:
     def generate(self, prompts: list, sampling, generator=None, autocast=None) -> Rollout:
         options = sampling_options(sampling, self.tok.eos_ids)
         if self.tools is not None:
-            turns = Turns(self.tools, self.tok, prompts)
-            enc = turns.prompt_ids()
-            got = complete_turns(lambda prefixes, budgets, seeds: self._generate(
-                prefixes, options, seeds, budgets), turns, enc, sampling.max_new_tokens,
-                self.tok.eos_ids, row_seeds(len(enc), generator))
-            return turns_rollout(self.tok, turns, enc, *got, self.device, sampling)
+            return turns_rollout(lambda prefixes, budgets, seeds: self._generate(
+                prefixes, options, seeds, budgets), self.tools, self.tok, prompts, sampling,
+                generator, self.device)
         enc = [self.tok.encode_prompt(p) for p in prompts]
         toks, lps = self._generate(enc, options, row_seeds(len(enc), generator))
         return to_rollout(self.tok, enc, toks, lps, self.device, sampling)

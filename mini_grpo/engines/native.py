@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from ..models import CausalLM, attention_mask, positions
 from ..models.packed import packed
 from ..tokenizer import Tokenizer
 from .base import Rollout, Sampling, pad_left
-from .turns import ToolSetup, Turns
+from .turns import ToolSetup, Turns, TurnState
 
 
 class NativeEngine:
@@ -66,15 +67,10 @@ def sample(model: CausalLM, tokenizer: Tokenizer, prompts: list, max_new_tokens:
     if tools is None:
         enc = [tokenizer.encode_prompt(p) for p in prompts]
         r = generate(model, enc, max_new_tokens, tokenizer.eos_ids, tokenizer.pad_id, **kw)
-        r.texts = [tokenizer.decode(row) for row in r.completion_ids.tolist()]
-        return r
+        return replace(r, texts=[tokenizer.decode(row) for row in r.completion_ids.tolist()])
     turns = Turns(tools, tokenizer, prompts)
-    r = generate(model, turns.prompt_ids(), max_new_tokens, tokenizer.eos_ids,
-                 tokenizer.pad_id, turns=turns, **kw)
-    r.texts, r.conversations = turns.last_replies(), turns.conversations()
-    r.env_rewards = turns.env_rewards()
-    r.turn_counts = turns.counts.to(r.completion_ids.device)
-    return r
+    return generate(model, turns.prompt_ids(), max_new_tokens, tokenizer.eos_ids,
+                    tokenizer.pad_id, turns=turns, **kw)
 
 
 def _pick(logits, temperature, top_k, top_p, greedy, generator):
@@ -116,13 +112,13 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     `use_cache=False` recomputes the whole
     sequence at each step (the baseline the KV cache is measured against).
 
-    With `turns` (multi-turn, turns.py), a row's EOS ends its turn, not the row: `turns`
-    answers with the ids to append (tools' results, the next generation prompt), which the
-    row then takes one per step in place of a sampled token, continuing from its KV cache
-    while the other rows sample on; they are attended to and left out of `model_mask`.
-    The row ends when `turns` answers None, or when what it answers does not fit the
-    max_new_tokens the row has left (then it counts as cut off, not finished). When no turn
-    is answered, the rollout equals the one without `turns` bit for bit.
+    With `turns` (multi-turn, turns.py), a row's EOS ends its turn, not the row: its
+    TurnState answers with the ids to append (tools' results, the next generation prompt),
+    which the row then takes one per step in place of a sampled token, continuing from its
+    KV cache while the other rows sample on; they are attended to and left out of
+    `model_mask`. The row ends as TurnState's rules say (its conversation is over, or the
+    answer does not fit). When no turn is answered, the rollout equals the one without
+    `turns` bit for bit; the rollout has the conversations' texts, messages and counts.
     """
     device = model.lm_head.weight.device
     shared = _shared_prefix(prompts) if use_cache else 0
@@ -147,13 +143,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
     live = torch.arange(B, device=device)  # the rows in the batch (those that ended drop out)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) which of them have ended
-    if turns is not None:  # the ids each row has yet to take from its conversation, by row
-        forced = torch.full((B, N), pad_id, dtype=torch.long, device=device)
-        f_len = torch.zeros(B, dtype=torch.long, device=device)
-        f_at = torch.zeros(B, dtype=torch.long, device=device)
-        own = torch.zeros((B, N), dtype=torch.bool, device=device)  # the model's tokens
-        cut = torch.zeros(B, dtype=torch.bool, device=device)
-        turn_start = [0] * B  # each row's current turn's first column
+    state = TurnState(turns, B, N, device) if turns is not None else None
 
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
@@ -173,25 +163,24 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
             bad |= ~finite.all()
             last = torch.where(finite, last, 0.0)
             tok, lp = _pick(last, temperature, top_k, top_p, greedy, generator)
-            if turns is not None:
-                at = f_at[live]
-                given = at < f_len[live]  # (b,) rows taking their conversation's ids
-                tok = torch.where(given, forced[live, at.clamp(max=N - 1)], tok)
+            if state is not None:  # (b,) rows taking their conversation's ids
+                given = state.is_forced[live, t]
+                tok = torch.where(given, state.forced[live, t], tok)
                 lp = lp.masked_fill(given, 0.0)
-                f_at[live] = at + given.long()
-                own[live, t] = ~done & ~given
             tok = tok.masked_fill(done, pad_id)
             out[live, t] = tok
             out_mask[live, t] = ~done
             out_lp[live, t] = lp.masked_fill(done, 0.0)
             key_valid[live, P + t] = ~done
-            if turns is None:
+            if state is None:
                 done |= torch.isin(tok, eos)
             else:
                 turn_ended = (torch.isin(tok, eos) & ~given & ~done).nonzero().flatten()
                 if len(turn_ended):
-                    _next_turn(turns, live[turn_ended].tolist(), turn_ended, t, out, forced,
-                               f_len, f_at, cut, done, turn_start)
+                    rows = live[turn_ended].tolist()
+                    nxt = state.end_turns(rows, out[rows, :t + 1].tolist())
+                    done[turn_ended] = torch.tensor([ids is None for ids in nxt],
+                                                    device=device)
             steps = t + 1
             # the one host sync per token: how many rows have ended (all, or bad: stop)
             ended = int(torch.where(bad, len(live), done.sum()))
@@ -213,34 +202,12 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     finished = torch.ones(B, dtype=torch.bool, device=device)  # rows that dropped out ended
     finished[live] = done
     model.train(was_training)
-    r = Rollout(ids, pmask, out[:, :steps], out_mask[:, :steps], out_lp[:, :steps], finished,
-                nonfinite=bad, sampling=Sampling(max_new_tokens, temperature, top_k, top_p,
-                                                 greedy))
-    if turns is not None:
-        r.finished &= ~cut
-        r.model_mask = own[:, :steps]
-        for g in (~r.finished).nonzero().flatten().tolist():  # its last turn, unfinished
-            if turn_start[g] < steps:
-                turns.cut(g, out[g, turn_start[g]:steps].tolist())
-    return r
-
-
-def _next_turn(turns: Turns, rows: list[int], at: torch.Tensor, t: int, out, forced, f_len,
-               f_at, cut, done, turn_start) -> None:
-    """Rows `rows` (at `at` in the live batch) ended a turn at column t: each takes the ids
-    its conversation answers from column t + 1 on, or ends (None, or no room left)."""
-    N = out.size(1)
-    nxt = turns.end_turn(rows, [out[g, turn_start[g]:t + 1].tolist() for g in rows])
-    for j, g, ids in zip(at.tolist(), rows, nxt):
-        if ids is not None and len(ids) < N - 1 - t:  # and room for one token of its own
-            forced[g, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            f_len[g], f_at[g], turn_start[g] = len(ids), 0, t + 1 + len(ids)
-        else:
-            if ids is not None:  # no room left for the answer and a token of its own
-                cut[g] = True
-                turns.unanswered(g)
-            turn_start[g] = N  # its turns are all told
-            done[j] = True
+    mask = out_mask[:, :steps]
+    r = Rollout(prompt_ids=ids, prompt_mask=pmask, completion_ids=out[:, :steps],
+                completion_mask=mask, logprobs=out_lp[:, :steps], finished=finished,
+                model_mask=mask, nonfinite=bad,
+                sampling=Sampling(max_new_tokens, temperature, top_k, top_p, greedy))
+    return r if state is None else state.rollout(r)
 
 
 @contextmanager

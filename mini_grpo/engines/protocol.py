@@ -1,8 +1,9 @@
 """What the vLLM engines share, in-process (vllm.py) and over HTTP (client.py, server.py):
 the model they can serve (check_servable, engine_config), our Sampling as vLLM's keywords, a
 seed per row, vLLM's request loop (complete), multi-turn rollouts as rounds of requests
-(complete_turns) and its token ids and log-probs as a Rollout, and vllm-serve's shared secret
-(server_token). Nothing here imports vLLM, so the client needs none."""
+(complete_turns, by turns.TurnState's rules) and its token ids and log-probs as a Rollout,
+and vllm-serve's shared secret (server_token). Nothing here imports vLLM, so the client
+needs none."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..fields import ConfigError
 from ..models.hf import export_config
 from ..tokenizer import HFTokenizer
 from .base import Rollout, Sampling, pad_left
+from .turns import Turns, TurnState
 
 TOKEN_ENV = "MINI_GRPO_VLLM_TOKEN"  # vllm-serve's shared secret, the server's and its clients'
 
@@ -68,65 +70,50 @@ def complete(llm, SamplingParams, prompts: list[list[int]], options: dict, seeds
     return toks, lps
 
 
-def complete_turns(request, turns, prompts: list[list[int]], max_new_tokens: int,
+def complete_turns(request, state, prompts: list[list[int]], max_new_tokens: int,
                    eos_ids: list[int], seeds: list[int]):
     """Multi-turn rollouts (turns.py) on an engine that takes whole prefixes: rounds of
     requests, `request(prefixes, budgets, seeds) -> (token ids, log-probs)` per row. A row's
-    turn ends at an EOS; its conversation's answer (tools' results, the next generation
+    turn ends at an EOS; its TurnState's answer (tools' results, the next generation
     prompt) is appended as tokens the model did not write (log-prob 0), and the row goes on
-    in the next round from its whole prefix (the engine's prefix cache holds the rest). The
-    rules are the native engine's (native.generate): max_new_tokens counts every token after
-    the prompt, an answer needs room for one token of the model's own after it (else the row
-    is cut off: `Turns.unanswered`), and a row out of tokens mid-turn is not finished.
-    -> (token ids, log-probs, the model's own tokens, finished) per row."""
+    in the next round from its whole prefix (the engine's prefix cache holds the rest), by
+    the rules TurnState writes for both engines. -> (token ids, log-probs) per row, for
+    `state.rollout(to_rollout(...))`."""
     B, eos = len(prompts), set(eos_ids)
-    toks, lps, own = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
-    finished, turn_start, live, rnd = [False] * B, [0] * B, list(range(B)), 0
+    toks, lps = [[] for _ in range(B)], [[] for _ in range(B)]
+    live, rnd = list(range(B)), 0
     while live:
         # a fresh seed per round: a row's draws in round k must not repeat round 0's
         got_t, got_l = request([prompts[g] + toks[g] for g in live],
                                [max_new_tokens - len(toks[g]) for g in live],
                                [(seeds[g] + rnd * 1_000_003) % (2**31 - 1) for g in live])
-        ended = []
         for g, t, lp in zip(live, got_t, got_l):
             toks[g] += t
             lps[g] += lp
-            own[g] += [True] * len(t)
-            if t and t[-1] in eos:
-                ended.append(g)
-            else:  # out of tokens in its turn: the turn stays unfinished
-                turns.cut(g, toks[g][turn_start[g]:])
-        answers = turns.end_turn(ended, [toks[g][turn_start[g]:] for g in ended]) \
-            if ended else []
-        live = []
+        # a row whose request ended without an EOS is out of tokens: TurnState.rollout
+        # hands its unfinished turn to the conversation
+        ended = [g for g, t in zip(live, got_t) if t and t[-1] in eos]
+        answers = state.end_turns(ended, [toks[g] for g in ended]) if ended else []
+        live = [g for g, ids in zip(ended, answers) if ids is not None]
         for g, ids in zip(ended, answers):
-            if ids is not None and len(ids) < max_new_tokens - len(toks[g]):
+            if ids is not None:
                 toks[g] += ids
                 lps[g] += [0.0] * len(ids)
-                own[g] += [False] * len(ids)
-                turn_start[g] = len(toks[g])
-                live.append(g)
-            elif ids is not None:  # no room for the answer and a token of its own
-                turns.unanswered(g)
-            else:
-                finished[g] = True
         rnd += 1
-    return toks, lps, own, finished
+    return toks, lps
 
 
-def turns_rollout(tok, turns, prompts, toks, lps, own, finished, device, sampling) -> Rollout:
-    """complete_turns' rows as a Rollout, with the conversations, their counts and rewards,
-    and the model's own tokens as `model_mask` (what the loss sees)."""
-    r = to_rollout(tok, prompts, toks, lps, device, sampling)
-    r.finished = torch.tensor(finished, dtype=torch.bool, device=device)
-    mask = torch.zeros_like(r.completion_mask)
-    for i, o in enumerate(own):
-        mask[i, :len(o)] = torch.tensor(o, dtype=torch.bool)
-    r.model_mask = mask
-    r.texts, r.conversations = turns.last_replies(), turns.conversations()
-    r.env_rewards = turns.env_rewards()
-    r.turn_counts = turns.counts.to(device)
-    return r
+def turns_rollout(request, setup, tok, prompts: list, sampling: Sampling, generator,
+                  device) -> Rollout:
+    """Multi-turn rollouts of `prompts` (this rank's rows) through `request` (complete_turns'):
+    their conversations (turns.Turns of `setup`), the rounds, and the Rollout TurnState
+    makes of them."""
+    turns = Turns(setup, tok, prompts)
+    enc = turns.prompt_ids()
+    state = TurnState(turns, len(enc), sampling.max_new_tokens)
+    toks, lps = complete_turns(request, state, enc, sampling.max_new_tokens, tok.eos_ids,
+                               row_seeds(len(enc), generator))
+    return state.rollout(to_rollout(tok, enc, toks, lps, device, sampling))
 
 
 def row_seeds(n: int, generator) -> list[int]:
@@ -153,8 +140,8 @@ def to_rollout(tok, prompts: list[list[int]], toks: list[list[int]], lps: list[l
         lp[i, :len(t)] = torch.tensor(l, dtype=torch.float32)
         finished[i] = bool(t) and t[-1] in eos
     pids, pmask = pad_left(prompts, pad, device)
-    r = Rollout(pids, pmask, ids.to(device), mask.to(device), lp.to(device),
-                finished.to(device), nonfinite=~torch.isfinite(lp).all().to(device),
-                sampling=sampling)
-    r.texts = [tok.decode(row) for row in ids.tolist()]
-    return r
+    return Rollout(prompt_ids=pids, prompt_mask=pmask, completion_ids=ids.to(device),
+                   completion_mask=mask.to(device), logprobs=lp.to(device),
+                   finished=finished.to(device), model_mask=mask.to(device),
+                   nonfinite=~torch.isfinite(lp).all().to(device), sampling=sampling,
+                   texts=[tok.decode(row) for row in ids.tolist()])

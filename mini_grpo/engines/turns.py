@@ -26,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,7 @@ from ..envs import (
 )
 from ..threads import run_at_once
 from ..tools import first_line
+from .base import Rollout
 
 TOOL_LOOP_GRACE = 5.0  # s past tool_timeout for the tool loop's step, which bounds its calls
 # Turns.counts' columns, per row: tool calls, of them failed, rounds answered, capped by
@@ -267,6 +268,66 @@ class Turns:
         return [next((m["content"] for m in reversed(h[s:]) if m["role"] == "assistant"), "")
                 for h, s in zip(self.history, self.start)]
 
+
+
+class TurnState:
+    """The engine's side of one generation's multi-turn rows, which both engines drive (the
+    native one token by token, vLLM's in rounds of requests), so the rules are written once:
+    where each row's turn began, the ids that answered its turns at the columns they take
+    (`forced`, `is_forced`: attended to, not the model's own), and how a row ends. `turns`:
+    the conversations (Turns, or a test's stand-in with end_turn, cut and unanswered).
+
+    The rules: max_new_tokens (N) counts every token after the prompt; a turn ends at an
+    end-of-turn token; its answer is taken only with room for one token of the model's own
+    after it, else the row is cut off (Turns.unanswered: the answer never reached the model);
+    a row whose conversation is over (None) is finished; a row out of tokens mid-turn is not,
+    and its unfinished turn is the conversation's last message (Turns.cut, in `rollout`)."""
+
+    def __init__(self, turns, rows: int, max_new_tokens: int, device=None):
+        self.turns, self.N = turns, max_new_tokens
+        self.forced = torch.zeros((rows, max_new_tokens), dtype=torch.long, device=device)
+        self.is_forced = torch.zeros((rows, max_new_tokens), dtype=torch.bool, device=device)
+        self.turn_start = [0] * rows  # each row's current turn's first column (N: all told)
+        self.over = [False] * rows  # its conversation ended it: finished
+
+    def end_turns(self, rows: list[int], completions: list[list[int]]) -> list[list[int] | None]:
+        """Rows `rows` ended a turn: `completions[i]`, row rows[i]'s ids so far, its
+        end-of-turn token last -> the ids the row takes next (from column len(completion)
+        on, also set in `forced`), or None where the row ends (its conversation is over, or
+        the answer has no room: cut off)."""
+        nxt = self.turns.end_turn(rows, [c[self.turn_start[g]:] for g, c in zip(rows, completions)])
+        out = []
+        for g, used, ids in zip(rows, map(len, completions), nxt):
+            if ids is not None and len(ids) < self.N - used:
+                self.forced[g, used:used + len(ids)] = torch.tensor(ids, dtype=torch.long)
+                self.is_forced[g, used:used + len(ids)] = True
+                self.turn_start[g] = used + len(ids)
+                out.append(ids)
+                continue
+            if ids is None:
+                self.over[g] = True
+            else:  # no room for the answer and a token of its own
+                self.turns.unanswered(g)
+            self.turn_start[g] = self.N
+            out.append(None)
+        return out
+
+    def rollout(self, r: Rollout) -> Rollout:
+        """The engine's rollout `r` of these rows as a multi-turn one: each unfinished turn
+        handed to its conversation (Turns.cut), the model's own tokens, finished where the
+        conversation ended the row, and the conversations' texts, messages, counts and
+        rewards."""
+        lengths = r.lengths()
+        for g, ids in enumerate(r.completion_ids.tolist()):
+            if not self.over[g] and self.turn_start[g] < lengths[g]:
+                self.turns.cut(g, ids[self.turn_start[g]:lengths[g]])
+        device = r.completion_ids.device
+        n = r.completion_ids.size(1)
+        return replace(r, model_mask=r.completion_mask & ~self.is_forced[:, :n].to(device),
+                       finished=torch.tensor(self.over, dtype=torch.bool, device=device),
+                       texts=self.turns.last_replies(), conversations=self.turns.conversations(),
+                       env_rewards=self.turns.env_rewards(),
+                       turn_counts=self.turns.counts.to(device))
 
 
 def _raised(e: BaseException) -> str:

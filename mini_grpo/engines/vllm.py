@@ -46,14 +46,13 @@ from .base import Rollout, WeightsSeen
 from .protocol import (
     check_servable,
     complete,
-    complete_turns,
     engine_config,
     row_seeds,
     sampling_options,
     to_rollout,
     turns_rollout,
 )
-from .turns import ToolSetup, Turns
+from .turns import ToolSetup
 
 MIN_KV_BYTES = 64 << 20
 
@@ -205,17 +204,13 @@ class VLLMEngine:
     def _generate_turns(self, prompts: list, sampling, generator) -> Rollout:
         """Multi-turn rollouts of this rank's rows alone (the tool loop runs where its rows
         are; tensor parallelism is refused with tools: check_engine)."""
-        turns = Turns(self.tools, self.tok, prompts)
-        enc = turns.prompt_ids()
         options = sampling_options(sampling, self.tok.eos_ids)
         self._wake()
-        got = complete_turns(
-            lambda prefixes, budgets, seeds: complete(self.llm, self.SamplingParams, prefixes,
-                                                      options, seeds, budgets),
-            turns, enc, sampling.max_new_tokens, self.tok.eos_ids,
-            row_seeds(len(enc), generator))
+        r = turns_rollout(lambda prefixes, budgets, seeds: complete(
+            self.llm, self.SamplingParams, prefixes, options, seeds, budgets),
+            self.tools, self.tok, prompts, sampling, generator, self.device)
         self._sleep()
-        return turns_rollout(self.tok, turns, enc, *got, self.device, sampling)
+        return r
 
     def _sleep(self) -> None:
         if self.sleep:  # level 1: weights to CPU memory, KV cache freed, until the next wake
