@@ -9,7 +9,7 @@ it (8 prompts x 8 completions each, scored by the task's rewards), and then time
 trainer.policy_pass over each batch under each plan, the plans interleaved `--reps` times:
 
     before   the planner of 933baed (whole groups or rows by length, cut greedily)
-    cost=C   trajectory.row_batches with pass_cost C (cuts chosen by dynamic programming)
+    cost=C   plan.row_batches with pass_cost C (cuts chosen by dynamic programming)
 
 No optimizer step is taken, so every pass computes the same gradient from the same weights;
 the script checks that the plans' gradients agree: in fp32 (`-- --use_amp=false`) within
@@ -41,15 +41,16 @@ from outfile import claim  # noqa: E402
 from mini_grpo.config import load_config  # noqa: E402
 from mini_grpo.dtype_probe import cpu_name  # noqa: E402
 from mini_grpo.engines import Sampling  # noqa: E402
+from mini_grpo.plan import cut, extent, plan_micro_batches, row_batches  # noqa: E402
 from mini_grpo.run import setup  # noqa: E402
 from mini_grpo.scoring import score  # noqa: E402
 from mini_grpo.state import TrainState  # noqa: E402
 from mini_grpo.trainer import policy_pass  # noqa: E402
-from mini_grpo.trajectory import Trajectory, cut, extent, plan_micro_batches, row_batches  # noqa: E402
+from mini_grpo.trajectory import Trajectory  # noqa: E402
 
 
 def before(prompt_mask, cmask, size, group, budget=0):
-    """trajectory.row_batches as of 933baed, for comparison."""
+    """plan.row_batches as of 933baed, for comparison."""
     n = extent(cmask).tolist()
     p = prompt_mask.sum(1).tolist()
     live = [i for i, k in enumerate(n) if k] or [0]

@@ -31,9 +31,9 @@ from .data import batch_indices, sft_batch, sft_target, shard
 from .guards import NonFiniteError, finite_everywhere, params_finite
 from .logprobs import head_weight
 from .options import keys_with
+from .plan import plan_micro_batches
 from .precision import release_freed_memory
 from .state import TrainState, check_train_state
-from .trajectory import plan_micro_batches
 
 if TYPE_CHECKING:
     from .run import Run

@@ -12,10 +12,11 @@ from ddp_grad_worker import G, PlainState, make_batch, sft_rows
 from mini_grpo.config import load_config
 from mini_grpo.models import GPT, GPTConfig
 from mini_grpo.models.llama import Llama, LlamaConfig
+from mini_grpo.plan import cut, plan_micro_batches, row_batches
 from mini_grpo.sft import sft_loss, sft_pass
 from mini_grpo.state import TrainState
 from mini_grpo.trainer import policy_pass, step_metrics
-from mini_grpo.trajectory import Trajectory, cut, plan_micro_batches, row_batches
+from mini_grpo.trajectory import Trajectory
 
 
 def test_a_budget_cuts_micro_batches_before_they_exceed_it():
@@ -191,7 +192,7 @@ def test_the_cuts_are_the_cheapest_of_every_way_to_cut_the_order():
     # every segmentation of a few random orders, against the dynamic programme's
     from itertools import combinations
 
-    from mini_grpo.trajectory import _cuts
+    from mini_grpo.plan import _cuts
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(40):

@@ -201,7 +201,7 @@ def test_sft_then_grpo_under_bf16_autocast_runs_and_lowers_the_sft_loss(tmp_path
 
 
 def test_micro_batch_plan_sorts_by_length():
-    from mini_grpo.trajectory import plan_micro_batches
+    from mini_grpo.plan import plan_micro_batches
 
     lengths = [30, 100, 31, 98, 60, 101, 29, 62, 99, 61, 30, 100]
     plan = plan_micro_batches(lengths, size=4)
@@ -216,7 +216,7 @@ def test_micro_batch_plan_sorts_by_length():
 def test_row_batches_pick_the_plan_that_pushes_fewer_tokens():
     from conftest import rows_rollout as rollout
 
-    from mini_grpo.trajectory import row_batches
+    from mini_grpo.plan import row_batches
 
     # 4 groups of 2 rows whose completions are alike: whole groups, every prompt once;
     # group 1 is left out (no tokens), group 3 has the longest completions

@@ -52,6 +52,7 @@ TOOL_LOOP_GRACE = 5.0  # s past tool_timeout for the tool loop's step, which bou
 # max_tool_calls, broken (its environment failed: __init__ or reset raised, or what it said
 # is over a conversation's bounds)
 COUNTS = ("calls", "failed", "rounds", "capped", "broken")
+CALLS, FAILED, ROUNDS, CAPPED, BROKEN = range(len(COUNTS))  # their columns, by name
 MAX_MESSAGES = 2048  # a conversation's messages: as many as RFT's output may read back with
 
 log = logging.getLogger("mini_grpo.envs")
@@ -160,13 +161,13 @@ class Turns:
             history = self.history[g]
             history.append({"role": "assistant", "content": text})
             c = self.counts[g]
-            c[0] += st.calls
-            c[1] += st.failed
+            c[CALLS] += st.calls
+            c[FAILED] += st.failed
             self.rewards[g] += sum(map(float, st.rewards.values()))
             if st.done or not st.messages:
                 out.append(None)
-            elif c[2] >= self.setup.max_rounds:
-                c[3] = 1
+            elif c[ROUNDS] >= self.setup.max_rounds:
+                c[CAPPED] = 1
                 out.append(None)
             else:
                 why = _over_bounds(history + st.messages)
@@ -180,7 +181,7 @@ class Turns:
                     self._broke(g, "step()", why)
                     out.append(None)
                     continue
-                c[2] += 1
+                c[ROUNDS] += 1
                 out.append(nxt)
                 history += messages
         return out
@@ -200,7 +201,7 @@ class Turns:
         """Row `g`'s environment failed in `where`: the row ends at its next turn (its first,
         from the task's prompt, where reset had not given one), is counted broken, and the
         first such failure of each kind is logged."""
-        self.counts[g, COUNTS.index("broken")] = 1
+        self.counts[g, BROKEN] = 1
         if where != "__init__":
             self.envs[g] = None
         key = f"{self.name} {where}"
@@ -219,7 +220,7 @@ class Turns:
         history = self.history[row]
         while len(history) > self.start[row] and history[-1]["role"] != "assistant":
             history.pop()
-        self.counts[row, 2] -= 1
+        self.counts[row, ROUNDS] -= 1
 
     def cut(self, row: int, ids: list[int]) -> None:
         """Row `row` ran out of tokens in its turn `ids` (its last message, unfinished)."""
