@@ -374,7 +374,7 @@ class GRPOConfig:
         write_file(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-# environment variables: the fields' env= (README's table is config_help.env_table's)
+# environment variables: the fields' env= (docs/guide.md's table is config_help.env_table's)
 LEGACY_ENV = {"PARALLEL_REWARDS": "parallel_rewards"}  # false = reward_executor serial
 ENV_VARS: dict[str, str] = {**env_vars(GRPOConfig), **LEGACY_ENV}
 

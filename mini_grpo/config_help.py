@@ -1,10 +1,10 @@
-"""`distributed_train.py --help` / `mini-grpo train --help` and README's table of environment
+"""`distributed_train.py --help` / `mini-grpo train --help` and docs/guide.md's table of environment
 variables, both generated from GRPOConfig's declarations: each field's type, default, range,
 roles and variable (options.opt), with the comment above and beside it as its help, grouped by
 the dataclass's `# ---- section ----` lines, so neither can drift from the fields. A field
 without a comment has no help: `missing_help` finds it, and tests/test_config.py fails on it.
 
-    python -m mini_grpo.config_help --env-table    # README's table, as tests compare it
+    python -m mini_grpo.config_help --env-table    # docs/guide.md's table, as tests compare it
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def help_text() -> str:
 
 
 def env_table() -> str:
-    """README's table of environment variables (markdown), in declaration order."""
+    """docs/guide.md's table of environment variables (markdown), in declaration order."""
     rows = ["| environment variable | config field | values | default |",
             "| --- | --- | --- | --- |"]
     for var, name in ENV_VARS.items():

@@ -6,7 +6,7 @@
 Everything that used to name options in lists of its own is derived from these declarations:
 the range checks (`check_ranges`), the environment variables (`env_vars`), the keys a saved
 SFT stage, RFT data or GRPO checkpoint is compared on (`keys_with`), the loss's settings, the
-`--help` page and README's table (config_help.py). Every field declares at least one role
+`--help` page and docs/guide.md's table (config_help.py). Every field declares at least one role
 (`undeclared` finds those that do not; tests/test_config.py fails on them), so a new option
 cannot be added without saying whether it shapes a stage or is fixed on resume.
 

@@ -93,3 +93,18 @@ def test_a_job_measurement_records_the_kernel_and_allocator_variables_it_ran_und
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
     assert run_env() == {"env": {"MALLOC_ARENA_MAX": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
+
+
+def test_the_documents_result_tables_are_the_bench_json_s():
+    """README's and docs/results.md's generated tables equal what bench/results.py makes of
+    the bench/ JSON now (a new run, or a hand edit between the markers, must be followed by
+    `python bench/results.py`); a stale table is found, an unknown one refused."""
+    import results
+
+    assert results.main(["--check"]) == 0
+    block = "<!-- results: lm_job -->\n| typed by hand |\n<!-- /results -->"
+    fresh = results.rendered(block, "doc")
+    assert "typed by hand" not in fresh and "| AMD EPYC Zen4" in fresh
+    assert results.rendered(fresh, "doc") == fresh
+    with pytest.raises(SystemExit, match="doc: <!-- results: nope -->: no such table"):
+        results.rendered("<!-- results: nope -->\n<!-- /results -->", "doc")

@@ -366,15 +366,15 @@ def test_help_names_what_loss_and_task_options_do(capsys):
         assert helps[name] and all(w in helps[name] for w in words), (name, helps[name])
 
 
-def test_readme_env_table_is_generated_from_the_declarations():
-    """README's table of environment variables is config_help.env_table(), verbatim: the
-    variables, fields, values and defaults the fields declare (regenerate it with
+def test_the_guide_s_env_table_is_generated_from_the_declarations():
+    """docs/guide.md's table of environment variables is config_help.env_table(), verbatim:
+    the variables, fields, values and defaults the fields declare (regenerate it with
     `python -m mini_grpo.config_help --env-table`)."""
     from conftest import ROOT
 
     from mini_grpo.config_help import env_table
 
-    assert env_table() in (ROOT / "README.md").read_text()
+    assert env_table() in (ROOT / "docs" / "guide.md").read_text()
 
 
 def test_every_option_declares_its_roles():
