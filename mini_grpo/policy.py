@@ -126,16 +126,18 @@ BUILDERS = {"gguf": _from_gguf, "hf": _from_hf, "checkpoint": _from_checkpoint,
 
 
 def build_policy(cfg: GRPOConfig, data: TaskData | None, checkpoint: dict | None = None,
-                 meta: bool = False) -> tuple[CausalLM, Tokenizer]:
+                 meta: bool = False, schemas: list | None = None) -> tuple[CausalLM, Tokenizer]:
     """The policy (on CPU) and its tokenizer, from PolicySource.of(cfg, checkpoint): its
     builder, then the chat template, then with lora_r (or an adapter) LoRA on top, its base
     frozen, and a LoRA checkpoint's adapters. `meta`: where the source is read by rank 0
-    alone (`from_rank0`), the model without weights, on the meta device."""
+    alone (`from_rank0`), the model without weights, on the meta device; `schemas`: the
+    tools' schemas the prompt lists, where the caller resolved them (else cfg.tools')."""
     src = PolicySource.of(cfg, checkpoint)
     meta = meta and src.from_rank0
     model, tok = BUILDERS[src.kind](src, cfg, data, meta)
     try:
-        tok.configure_chat(cfg.chat_template, cfg.system_prompt, tool_schemas(cfg.tools))
+        tok.configure_chat(cfg.chat_template, cfg.system_prompt,
+                           tool_schemas(cfg.tools) if schemas is None else list(schemas))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.tools:

@@ -83,6 +83,7 @@ class Run:
     # what samples (engines/): GRPO's rollouts, evaluation, RFT's data, `mini-grpo sample`
     engine: Engine | None = None
     lora: LoRAFacts | None = None  # the policy's adapters and their base (LoRA runs)
+    tools: ToolSetup | None = None  # the config's tools or environment, resolved once
     claim: int | None = None  # rank 0 of a training run: its locked claim on out_dir
 
     def freeze_reference(self) -> None:
@@ -117,8 +118,7 @@ class Run:
         on rank 0), an engine with no collective in `generate`: the run's, or where that is a
         tensor-parallel vLLM group, our native sampler."""
         if alone and not self.engine.alone:
-            return NativeEngine(self.model, self.tok, self.cfg.kv_cache,
-                                ToolSetup.of(self.cfg))
+            return NativeEngine(self.model, self.tok, self.cfg.kv_cache, self.tools)
         return self.engine
 
     def sync_engine(self) -> None:
@@ -205,8 +205,10 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         # sent to the others' shards, which start on the meta device: a node holds one copy
         # (on a CPU device every rank builds its own: the precision probe runs on each)
         from_rank0 = sharded and weights_from_rank0(cfg, checkpoint)
+        tools = ToolSetup.of(cfg)  # the tools or environment, imported and checked once
         model, tok = build_policy(cfg, data, checkpoint, meta=from_rank0 and not dist.is_main
-                                  and device.type != "cpu")
+                                  and device.type != "cpu",
+                                  schemas=tools.schemas if tools is not None else ())
         lora = lora_facts(model, cfg)
         if not sharded:  # under fsdp each block goes to the device as it is sharded, so the
             model.to(device)  # device never holds the whole model
@@ -241,10 +243,10 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         D.cleanup(wait=False)
         raise
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger,
-              lora=lora, claim=claim)
+              lora=lora, claim=claim, tools=tools)
     try:  # before any work: a model the engine cannot serve is refused here
         run.engine = make_engine(cfg, model, tok, device, dist, min(
-            longest + cfg.max_new_tokens, model.cfg.block_size) if longest else None)
+            longest + cfg.max_new_tokens, model.cfg.block_size) if longest else None, tools)
     except BaseException:
         run.close(failed=True)
         raise

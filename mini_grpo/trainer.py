@@ -63,11 +63,7 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
     for step in range(state.current_step + 1, cfg.max_steps + 1):
         faults.step_start(step, dist)
         t_step, times = time.perf_counter(), {}
-        # ---- prompts: this rank's share of the global batch; a group never spans ranks
-        idx = batch_indices(len(task.train), cfg.prompts_per_step * cfg.dynamic_sampling_factor,
-                            step - 1, cfg.seed + 1)
-        rows = [task.train[i] for i in shard(idx, dist.rank, dist.world_size)
-                for _ in range(cfg.group_size)]  # group-major: (B * G,)
+        rows = step_rows(task.train, cfg, dist, step)  # this rank's prompts, G rows each
 
         # ---- rollout by the engine (native: the unwrapped policy, no DDP hooks), which
         # first gets the weights if an update, a restore or the stage before changed them
@@ -87,30 +83,12 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- reference log-probs (beta = 0: no reference)
-        if run.reference is not None:
-            with state.autocast():
-                traj = traj.replace(ref_logp=run.reference.logprobs_of(traj))
-            if cfg.kl_in_reward:  # the advantages of the rewards less beta x each row's KL
-                traj = traj.penalised(r, kl_reward_penalty(
-                    traj.sampling_logp, traj.ref_logp, traj.completion_mask, cfg.beta,
-                    cfg.kl_estimator), cfg, model)
+        traj = with_reference(run, traj, r, state)
         times["reference"], t0 = time.perf_counter() - t0, time.perf_counter()
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
-        if run.comm:
-            run.comm.mark()  # fsdp: the gathers so far were sampling's and the reference's
-        state.begin(step)
-        model.train()
-        stats, t_opt = StepStats.zeros(run.device), 0.0
-        for _ in range(cfg.num_iterations):
-            part, old = policy_pass(run.net, traj, cfg, state)
-            traj = traj.replace(old_logp=old)  # the later passes' ratios are against it
-            faults.after_backward(step, dist, part.loss, model)
-            stats += part
-            t1 = time.perf_counter()
-            state.step(part.loss, ~traj.nonfinite)
-            t_opt += time.perf_counter() - t1
-        times["policy"], times["optimizer"] = time.perf_counter() - t0, t_opt
+        traj, stats, times["optimizer"] = update(run, traj, state, step)
+        times["policy"] = time.perf_counter() - t0
 
         # ---- metrics: one collective, which also brings rank 0's verdict on the time limit
         seconds = time.perf_counter() - t_step
@@ -140,6 +118,51 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
                 run.logger.event(step, limit.why())
             break
     return state
+
+
+def step_rows(train: list, cfg, dist, step: int) -> list:
+    """This rank's share of step `step`'s prompts (a group never spans ranks), each
+    group_size times, group-major: (B * G,); dynamic_sampling_factor k draws k times as
+    many (keep_signal then chooses)."""
+    idx = batch_indices(len(train), cfg.prompts_per_step * cfg.dynamic_sampling_factor,
+                        step - 1, cfg.seed + 1)
+    return [train[i] for i in shard(idx, dist.rank, dist.world_size)
+            for _ in range(cfg.group_size)]
+
+
+def with_reference(run: Run, traj: Trajectory, r, state: TrainState) -> Trajectory:
+    """`traj` with the reference's log-probs (none with beta 0), and with kl_in_reward the
+    advantages of its rewards less beta x each row's KL (rollout `r`'s)."""
+    if run.reference is None:
+        return traj
+    cfg = run.cfg
+    with state.autocast():
+        traj = traj.replace(ref_logp=run.reference.logprobs_of(traj))
+    if cfg.kl_in_reward:
+        traj = traj.penalised(r, kl_reward_penalty(
+            traj.sampling_logp, traj.ref_logp, traj.completion_mask, cfg.beta,
+            cfg.kl_estimator), cfg, run.model)
+    return traj
+
+
+def update(run: Run, traj: Trajectory, state: TrainState, step: int):
+    """num_iterations policy passes over `traj`, each followed by the guarded optimizer step
+    -> (the trajectory with the first pass's log-probs as the old ones, the passes' summed
+    StepStats, the seconds in the optimizer)."""
+    if run.comm:
+        run.comm.mark()  # fsdp: the gathers so far were sampling's and the reference's
+    state.begin(step)
+    run.model.train()
+    stats, t_opt = StepStats.zeros(run.device), 0.0
+    for _ in range(run.cfg.num_iterations):
+        part, old = policy_pass(run.net, traj, run.cfg, state)
+        traj = traj.replace(old_logp=old)  # the later passes' ratios are against it
+        faults.after_backward(step, run.dist, part.loss, run.model)
+        stats += part
+        t1 = time.perf_counter()
+        state.step(part.loss, ~traj.nonfinite)
+        t_opt += time.perf_counter() - t1
+    return traj, stats, t_opt
 
 
 def keep_signal(rows: list, r, res, cfg, dist):

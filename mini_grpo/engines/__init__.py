@@ -43,14 +43,13 @@ def check_engine(cfg, device) -> None:
                           f"server (vllm_mode: server)")
 
 
-def make_engine(cfg, model, tok, device, dist, max_len: int | None = None) -> Engine:
+def make_engine(cfg, model, tok, device, dist, max_len: int | None = None,
+                tools=None) -> Engine:
     """The engine `cfg.rollout_engine` names, for the policy `model` and its tokenizer `tok`,
     on this rank's `device` (`dist`: the run's distributed.DistInfo); `max_len`: the longest
-    prompt + completion it must hold (default: the model's block size). A model the engine
-    cannot serve is a ConfigError here, at the start, not in the first step."""
-    from .turns import ToolSetup
-
-    tools = ToolSetup.of(cfg)
+    prompt + completion it must hold (default: the model's block size); `tools`: the run's
+    turns.ToolSetup (None: single-turn rollouts). A model the engine cannot serve is a
+    ConfigError here, at the start, not in the first step."""
     if cfg.rollout_engine == "vllm" and cfg.vllm_mode == "server":
         from .client import ServerEngine
 

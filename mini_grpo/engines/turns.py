@@ -67,20 +67,22 @@ class ToolSetup:
     timeout: float  # seconds for one environment step (tool_timeout)
     rewards: bool = False  # the environment's reward parts count (a user's environment)
     tool_loop: bool = False  # env(call_format): ToolEnv, reading calls in the model's format
+    schemas: tuple = ()  # the tools' JSON schemas, as the prompt lists them (tool loop)
 
     @classmethod
     def of(cls, cfg) -> ToolSetup | None:
-        """The config's environment, or its tools' loop (ToolEnv); None: single-turn."""
+        """The config's environment, or its tools' loop (ToolEnv), each resolved (imported,
+        checked) once, by the run's set-up (Run.tools); None: single-turn."""
         if cfg.environment:
             return cls(environment_class(cfg.environment), cfg.max_tool_calls,
                        cfg.tool_timeout, rewards=True)
         if not cfg.tools:
             return None
-        from ..tools import resolve_tools
+        from ..tools import resolve_tools, tool_schema
 
         tools, chars, timeout = resolve_tools(cfg.tools), cfg.tool_output_chars, cfg.tool_timeout
         return cls(lambda fmt: ToolEnv(tools, chars, fmt, timeout), cfg.max_tool_calls,
-                   timeout, tool_loop=True)
+                   timeout, tool_loop=True, schemas=tuple(map(tool_schema, tools.values())))
 
 
 def environment_class(name: str) -> Callable[[], Environment]:
