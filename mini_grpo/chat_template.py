@@ -135,12 +135,9 @@ class _Refusal(Exception):
     """raise_exception(message): the template refuses the conversation."""
 
 
-@cache
-def _environment():
-    """The sandbox, built once: transformers' environment with the bounds above."""
-    from jinja2 import nodes, pass_context
-    from jinja2.runtime import Macro
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _bounds_class():
+    """The jinja2 NodeTransformer class that rewrites a parsed template (_Bounds)."""
+    from jinja2 import nodes
     from jinja2.visitor import NodeTransformer
 
     def filtered(expr, name: str, lineno: int | None = None):  # `expr | name`: a bound
@@ -189,11 +186,22 @@ def _environment():
             node.node = filtered(node.node, "_set")
             return node
 
+    return _Bounds
+
+
+def _sandbox_class():
+    """transformers' sandbox (jinja2's ImmutableSandboxedEnvironment) with its templates
+    rewritten by _bounds_class and every operator and call counted and bounded."""
+    from jinja2.runtime import Macro
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    bounds_pass = _bounds_class()
+
     class Bounded(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**", "%", "+"])
 
         def _parse(self, source, name, filename):
-            tree = _Bounds().visit(super()._parse(source, name, filename))
+            tree = bounds_pass().visit(super()._parse(source, name, filename))
             tree.set_environment(self)
             return tree
 
@@ -219,6 +227,16 @@ def _environment():
                 bounds.walked((args, kwargs), "a macro's arguments")  # its varargs, its kwargs
             args = bounds.str_method(__obj, args, kwargs)
             return bounds.result(super().call(__context, __obj, *args, **kwargs), "a call's result")
+
+    return Bounded
+
+
+@cache
+def _environment():
+    """The sandbox, built once: transformers' environment with the bounds above."""
+    from jinja2 import pass_context
+
+    Bounded = _sandbox_class()
 
     @pass_context
     def finalize(context, value):

@@ -214,34 +214,8 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
         raise ConfigError(f"{where}{key}: must not be empty")
 
     bad = lambda: ConfigError(f"{where}{key}: expected {_type_name(tp)}, got {show(value)}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise bad()
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError as e:
-                if value.strip().lstrip("+-").isdigit():  # over the int-string limit
-                    raise ConfigError(f"{where}{key}: {unreadable(e)}") from None
-                raise bad() from None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad()
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise bad() from None
-        elif not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise bad()
-        if not math.isfinite(value):  # NaN/Inf pass every `<= 0` check and break runs later
-            raise ConfigError(f"{where}{key}: must be a finite number, got {show(value)}")
-        return float(value)
+    if tp in (bool, int, float):
+        return _scalar(key, value, tp, where, bad)
     # YAML reads a bare on, off, yes or no as a boolean: `generation_amp: off` was refused
     # as "got False"
     yaml_bool = " (YAML reads a bare on/off/yes/no as true/false: quote it)" \
@@ -273,6 +247,40 @@ def coerce(key: str, value: Any, tp: Any, where: str = "") -> Any:
         return {coerce(f"{key} key", k, inner[0], where): coerce(f"{key}.{k}", v, inner[1], where)
                 for k, v in value.items()}
     raise TypeError(f"config field {key} has an unsupported type {tp}")
+
+
+def _scalar(key: str, value: Any, tp: type, where: str, bad) -> Any:
+    """coerce's bool, int and float: `value` (or its text) as `tp`; `bad()` the error of a
+    value of another type. A float must be finite."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError as e:
+                if value.strip().lstrip("+-").isdigit():  # over the int-string limit
+                    raise ConfigError(f"{where}{key}: {unreadable(e)}") from None
+                raise bad() from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad()
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise bad() from None
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise bad()
+        if not math.isfinite(value):  # NaN/Inf pass every `<= 0` check and break runs later
+            raise ConfigError(f"{where}{key}: must be a finite number, got {show(value)}")
+        return float(value)
+    raise TypeError(tp)
 
 
 def _type_name(tp: Any) -> str:

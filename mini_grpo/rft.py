@@ -275,16 +275,8 @@ def _generate(run: Run, examples, output: Path, amp: bool, engine, sampling) -> 
             exs = [first[p] for p in rows]
             res = score(scorer, exs, r.texts, r.lengths(), sampling.max_new_tokens,
                         r.conversations, r.env_rewards)
-            lines = []
-            for j, p in enumerate(batch):
-                cand = {}  # distinct completions (conversations) of this prompt -> row index
-                for k in range(j * K, (j + 1) * K):  # whole answers only: ended by EOS
-                    if res.total[k] >= cfg.rft_min_reward and r.finished[k]:
-                        cand.setdefault(r.texts[k] if r.conversations is None
-                                        else json.dumps(r.conversations[k]), k)
-                picked = sorted(cand.values(), key=lambda k: -res.total[k])
-                for k in picked[:1] if cfg.rft_keep == "best" else picked:
-                    lines.append(json.dumps(_record(first[p], r, res, k)) + "\n")
+            lines = [json.dumps(_record(first[p], r, res, k)) + "\n"
+                     for j, p in enumerate(batch) for k in _accepted(cfg, r, res, j * K, K)]
             out.append("".join(lines))  # whole lines, then the prompts they finish
             done_f.append("".join(json.dumps({"prompt": p}) + "\n" for p in batch))
             done_now["prompts"] += len(batch)
@@ -298,31 +290,52 @@ def _generate(run: Run, examples, output: Path, amp: bool, engine, sampling) -> 
     dt = time.perf_counter() - t0
     total = D.reduce_named(done_now)  # over ranks
     D.barrier()
-    summary = {}
-    if dist.is_main:
-        merged: dict[str, list[dict]] = {}
-        for path in [output, *(Path(f"{output}.rank{k}") for k in range(dist.world_size))]:
-            for r in _read_rows(path):
-                merged.setdefault(_prompt(r), []).append(r)
-        rows = [r for p in sorted(merged, key=lambda p: order.get(p, len(order)))
-                for r in merged[p]]
-        write_file(output, "".join(json.dumps(r) + "\n" for r in rows))
-        for rank in range(dist.world_size):
-            Path(f"{output}.rank{rank}").unlink(missing_ok=True)
-            Path(f"{output}.rank{rank}.done").unlink(missing_ok=True)
-        covered = len({_prompt(r) for r in rows})
-        summary = {
-            "prompts": len(prompts), "prompts_generated_now": int(total["prompts"]),
-            "completions_generated_now": int(total["completions"]), "rows": len(rows),
-            "prompts_with_accepted_row": covered, "acceptance_rate": covered / len(prompts),
-            "mean_kept_reward": sum(r["reward"] for r in rows) / max(1, len(rows)),
-            "seconds": dt, "completions_per_s": total["completions"] / dt if dt > 0 else 0.0,
-            "oversample": K, "prompts_per_batch": B, "min_reward": cfg.rft_min_reward,
-            "keep": cfg.rft_keep, "world_size": dist.world_size, "engine": engine.name}
-        write_file(Path(f"{output}.summary.json"), json.dumps(summary, indent=2))
-        print(f"[rft] {covered}/{len(prompts)} prompts with an accepted completion "
-              f"({100 * summary['acceptance_rate']:.1f}%), mean kept reward "
-              f"{summary['mean_kept_reward']:.3f}, {summary['completions_per_s']:.0f} "
-              f"completions/s, {dt:.1f}s -> {output}", flush=True)
+    summary = _merge(output, prompts, order, total, dt, cfg, dist, engine.name) \
+        if dist.is_main else {}
     D.wait_for_main()  # rank 0's merge, alone
+    return summary
+
+
+def _accepted(cfg, r, res, start: int, K: int) -> list[int]:
+    """The rows kept of one prompt's K completions (rows start .. start + K - 1): whole
+    answers (ended by EOS) at or above rft_min_reward, each distinct text (conversation)
+    once, best first; with rft_keep best, the best alone."""
+    cand = {}  # distinct completions (conversations) of this prompt -> row index
+    for k in range(start, start + K):
+        if res.total[k] >= cfg.rft_min_reward and r.finished[k]:
+            cand.setdefault(r.texts[k] if r.conversations is None
+                            else json.dumps(r.conversations[k]), k)
+    picked = sorted(cand.values(), key=lambda k: -res.total[k])
+    return picked[:1] if cfg.rft_keep == "best" else picked
+
+
+def _merge(output: Path, prompts: list, order: dict, total: dict, dt: float, cfg, dist,
+           engine: str) -> dict:
+    """Rank 0: every rank's rows (and an earlier call's) into `output` in split order, the
+    ranks' files removed, and the summary (written beside it) -> the summary."""
+    K, B = cfg.rft_oversample, cfg.rft_prompts_per_batch
+    merged: dict[str, list[dict]] = {}
+    for path in [output, *(Path(f"{output}.rank{k}") for k in range(dist.world_size))]:
+        for r in _read_rows(path):
+            merged.setdefault(_prompt(r), []).append(r)
+    rows = [r for p in sorted(merged, key=lambda p: order.get(p, len(order)))
+            for r in merged[p]]
+    write_file(output, "".join(json.dumps(r) + "\n" for r in rows))
+    for rank in range(dist.world_size):
+        Path(f"{output}.rank{rank}").unlink(missing_ok=True)
+        Path(f"{output}.rank{rank}.done").unlink(missing_ok=True)
+    covered = len({_prompt(r) for r in rows})
+    summary = {
+        "prompts": len(prompts), "prompts_generated_now": int(total["prompts"]),
+        "completions_generated_now": int(total["completions"]), "rows": len(rows),
+        "prompts_with_accepted_row": covered, "acceptance_rate": covered / len(prompts),
+        "mean_kept_reward": sum(r["reward"] for r in rows) / max(1, len(rows)),
+        "seconds": dt, "completions_per_s": total["completions"] / dt if dt > 0 else 0.0,
+        "oversample": K, "prompts_per_batch": B, "min_reward": cfg.rft_min_reward,
+        "keep": cfg.rft_keep, "world_size": dist.world_size, "engine": engine}
+    write_file(Path(f"{output}.summary.json"), json.dumps(summary, indent=2))
+    print(f"[rft] {covered}/{len(prompts)} prompts with an accepted completion "
+          f"({100 * summary['acceptance_rate']:.1f}%), mean kept reward "
+          f"{summary['mean_kept_reward']:.3f}, {summary['completions_per_s']:.0f} "
+          f"completions/s, {dt:.1f}s -> {output}", flush=True)
     return summary

@@ -250,6 +250,15 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     except BaseException:
         run.close(failed=True)
         raise
+    _report(run, log)
+    return run
+
+
+def _report(run: Run, log: bool) -> None:
+    """The set-up's lines: the task, model, processes and precision (rank 0), and for a
+    training run what each rank holds."""
+    cfg, dist, data, model, device = run.cfg, run.dist, run.task, run.model, run.device
+    threads, precision, logger = run.threads, run.precision, run.logger
     if data is not None:
         procs = f"{dist.world_size} process{'es' if dist.world_size > 1 else ''}"
         run.print0(f"[mini-grpo] task {data.name}: {len(data.train)} train / {len(data.eval)} "
@@ -263,7 +272,6 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         print(f"[mini-grpo] rank {dist.rank} holds ({how}): parameters {mem['params']:.1f} MiB"
               f"{frozen}, gradients {mem['grads']:.1f} MiB, AdamW state "
               f"{mem['optimizer']:.1f} MiB", flush=True)
-    return run
 
 
 def _fsdp_dtype(precision: Precision) -> torch.dtype | None:

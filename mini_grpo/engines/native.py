@@ -103,23 +103,15 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
              eos_id: int | list[int], pad_id: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None,
              use_cache: bool = True, turns: Turns | None = None) -> Rollout:
-    """Samples up to max_new_tokens per prompt, one forward pass per new token for the batch.
-
-    A row ends at the first of its tokens in `eos_id` (one id, or every id that ends a
-    completion: a tokenizer's `eos_ids`); sampling stops as soon as every row has ended.
-    Rows that have ended stop costing compute: once a quarter of the batch has, the others
-    go on without them (their cache rows copied out, so the copies cost little).
-    `use_cache=False` recomputes the whole
-    sequence at each step (the baseline the KV cache is measured against).
-
-    With `turns` (multi-turn, turns.py), a row's EOS ends its turn, not the row: its
-    TurnState answers with the ids to append (tools' results, the next generation prompt),
-    which the row then takes one per step in place of a sampled token, continuing from its
-    KV cache while the other rows sample on; they are attended to and left out of
-    `model_mask`. The row ends as TurnState's rules say (its conversation is over, or the
-    answer does not fit). When no turn is answered, the rollout equals the one without
-    `turns` bit for bit; the rollout has the conversations' texts, messages and counts.
-    """
+    """Samples up to max_new_tokens per prompt, one forward pass per new token for the batch
+    (_Decoding: rows that have ended drop out). A row ends at the first of its tokens in
+    `eos_id` (one id, or a tokenizer's `eos_ids`). `use_cache=False` recomputes the whole
+    sequence at each step (the baseline the KV cache is measured against). With `turns`
+    (multi-turn, turns.py), an EOS ends the row's turn: its TurnState's answer (tools'
+    results, the next generation prompt) is taken one id per step in place of a sampled
+    token, from the row's KV cache, attended to and left out of `model_mask`; the row ends as
+    TurnState's rules say. When no turn is answered, the rollout equals the one without
+    `turns` bit for bit."""
     device = model.lm_head.weight.device
     shared = _shared_prefix(prompts) if use_cache else 0
     ids, pmask = _layout(prompts, pad_id, device, shared)  # (B, P)
@@ -130,21 +122,9 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
                          f"{model.cfg.block_size}")
     was_training = model.training
     model.eval()
-
-    out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
-    out_mask = torch.zeros((B, N), dtype=torch.bool, device=device)
-    out_lp = torch.zeros((B, N), dtype=torch.float32, device=device)
-    key_valid = torch.zeros((B, P + N), dtype=torch.bool, device=device)
-    key_valid[:, :P] = pmask
-    all_pos = torch.zeros((B, P + N), dtype=torch.long, device=device)
-    all_pos[:, :P] = positions(pmask)
-    all_pos[:, P:] = pmask.sum(1, keepdim=True) + torch.arange(N, device=device)
-    seq = torch.cat([ids, out], dim=1)  # (B, P + N) for the no-cache path
+    d = _Decoding.of(ids, pmask, N, pad_id)
     eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=device)
-    live = torch.arange(B, device=device)  # the rows in the batch (those that ended drop out)
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # (b,) which of them have ended
     state = TurnState(turns, B, N, device) if turns is not None else None
-
     # under autocast, keep the cache in the autocast dtype: half the memory traffic per step,
     # and no re-cast of the whole cache at every token
     amp = torch.is_autocast_enabled(device.type)
@@ -154,60 +134,114 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     # and prepacked once (models/packed.py: all of them in bf16, the LM head in fp32)
     with _casts_cached(model, amp), packed(model, cache_dtype or model.lm_head.weight.dtype,
                                            rows=B):
-        logits = _prefill(model, prompts, ids, pmask, all_pos[:, :P], cache, shared)
-        steps = 0
-        bad = torch.zeros((), dtype=torch.bool, device=device)
+        logits = _prefill(model, prompts, ids, pmask, d.pos[:, :P], cache, shared)
         for t in range(N):
-            last = logits[:, -1].float()
-            finite = torch.isfinite(last).all(-1, keepdim=True)  # (b, 1)
-            bad |= ~finite.all()
-            last = torch.where(finite, last, 0.0)
-            tok, lp = _pick(last, temperature, top_k, top_p, greedy, generator)
+            tok, lp = _pick(d.finite(logits[:, -1].float()), temperature, top_k, top_p,
+                            greedy, generator)
             if state is not None:  # (b,) rows taking their conversation's ids
-                given = state.is_forced[live, t]
-                tok = torch.where(given, state.forced[live, t], tok)
+                given = state.is_forced[d.live, t]
+                tok = torch.where(given, state.forced[d.live, t], tok)
                 lp = lp.masked_fill(given, 0.0)
-            tok = tok.masked_fill(done, pad_id)
-            out[live, t] = tok
-            out_mask[live, t] = ~done
-            out_lp[live, t] = lp.masked_fill(done, 0.0)
-            key_valid[live, P + t] = ~done
+            tok = d.record(t, tok, lp)
             if state is None:
-                done |= torch.isin(tok, eos)
+                d.done |= torch.isin(tok, eos)
             else:
-                turn_ended = (torch.isin(tok, eos) & ~given & ~done).nonzero().flatten()
+                turn_ended = (torch.isin(tok, eos) & ~given & ~d.done).nonzero().flatten()
                 if len(turn_ended):
-                    rows = live[turn_ended].tolist()
-                    nxt = state.end_turns(rows, out[rows, :t + 1].tolist())
-                    done[turn_ended] = torch.tensor([ids is None for ids in nxt],
-                                                    device=device)
-            steps = t + 1
-            # the one host sync per token: how many rows have ended (all, or bad: stop)
-            ended = int(torch.where(bad, len(live), done.sum()))
-            if t == N - 1 or ended == len(live):
+                    rows = d.live[turn_ended].tolist()
+                    nxt = state.end_turns(rows, d.out[rows, :t + 1].tolist())
+                    d.done[turn_ended] = torch.tensor([x is None for x in nxt], device=device)
+            if t == N - 1 or d.all_ended():
                 break
-            if 4 * ended >= len(live):  # a quarter has ended: the others go on without them
-                keep = ~done
-                live, tok, done = live[keep], tok[keep], done[keep]
-                if use_cache:
-                    cache.keep(keep)
-            if use_cache:
-                mask = attention_mask(key_valid[live, :P + t + 1], 1)
-                logits = model(tok[:, None], all_pos[live, P + t:P + t + 1], mask, cache)
-            else:
-                S = P + t + 1
-                seq[live, P + t] = tok
-                logits = model(seq[live, :S], all_pos[live, :S],
-                               attention_mask(key_valid[live, :S], S), logits_from=S - 1)
-    finished = torch.ones(B, dtype=torch.bool, device=device)  # rows that dropped out ended
-    finished[live] = done
+            tok = d.drop_ended(tok, cache)
+            logits = d.forward(model, tok, t, cache)
     model.train(was_training)
-    mask = out_mask[:, :steps]
-    r = Rollout(prompt_ids=ids, prompt_mask=pmask, completion_ids=out[:, :steps],
-                completion_mask=mask, logprobs=out_lp[:, :steps], finished=finished,
-                model_mask=mask, nonfinite=bad,
-                sampling=Sampling(max_new_tokens, temperature, top_k, top_p, greedy))
+    r = d.rollout(ids, pmask, Sampling(max_new_tokens, temperature, top_k, top_p, greedy))
     return r if state is None else state.rollout(r)
+
+
+class _Decoding:
+    """generate's batch as it decodes: the completions so far (B, N) with their masks and
+    log-probs, the keys every row may attend to and each position's index (B, P + N), and
+    the rows still in the batch (`live`, those that ended drop out) with which of them have
+    ended (`done`, (b,))."""
+
+    def __init__(self, ids, pmask, out, key_valid, pos, pad_id):
+        B, device = ids.size(0), ids.device
+        self.P, self.pad_id, self.steps = ids.size(1), pad_id, 0
+        self.out, self.pos, self.key_valid = out, pos, key_valid
+        self.out_mask = torch.zeros(out.shape, dtype=torch.bool, device=device)
+        self.out_lp = torch.zeros(out.shape, dtype=torch.float32, device=device)
+        self.seq = torch.cat([ids, out], dim=1)  # (B, P + N) for the no-cache path
+        self.live = torch.arange(B, device=device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # non-finite logits seen
+
+    @classmethod
+    def of(cls, ids, pmask, N: int, pad_id: int) -> _Decoding:
+        (B, P), device = ids.shape, ids.device
+        key_valid = torch.zeros((B, P + N), dtype=torch.bool, device=device)
+        key_valid[:, :P] = pmask
+        pos = torch.zeros((B, P + N), dtype=torch.long, device=device)
+        pos[:, :P] = positions(pmask)
+        pos[:, P:] = pmask.sum(1, keepdim=True) + torch.arange(N, device=device)
+        out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
+        return cls(ids, pmask, out, key_valid, pos, pad_id)
+
+    def finite(self, last):
+        """The last position's logits (b, V) fp32 with a row's non-finite ones zeroed, and
+        flagged (the rollout's `nonfinite`: its update is skipped)."""
+        finite = torch.isfinite(last).all(-1, keepdim=True)  # (b, 1)
+        self.bad |= ~finite.all()
+        return torch.where(finite, last, 0.0)
+
+    def record(self, t: int, tok, lp):
+        """Column t's tokens of the live rows (pad where a row has ended) -> those tokens."""
+        live, done = self.live, self.done
+        tok = tok.masked_fill(done, self.pad_id)
+        self.out[live, t] = tok
+        self.out_mask[live, t] = ~done
+        self.out_lp[live, t] = lp.masked_fill(done, 0.0)
+        self.key_valid[live, self.P + t] = ~done
+        self.steps = t + 1
+        return tok
+
+    def all_ended(self) -> bool:
+        """The one host sync per token: whether every row has ended (or logits went bad)."""
+        self.ended = int(torch.where(self.bad, len(self.live), self.done.sum()))
+        return self.ended == len(self.live)
+
+    def drop_ended(self, tok, cache):
+        """Once a quarter of the batch has ended, the others go on without them (their cache
+        rows copied out, so the copies cost little) -> the live rows' tokens."""
+        if 4 * self.ended < len(self.live):
+            return tok
+        keep = ~self.done
+        self.live, self.done = self.live[keep], self.done[keep]
+        if cache is not None:
+            cache.keep(keep)
+        return tok[keep]
+
+    def forward(self, model, tok, t: int, cache):
+        """The next position's logits for the live rows, from the cache, or (no cache) from
+        the whole sequence again."""
+        P, live = self.P, self.live
+        if cache is not None:
+            mask = attention_mask(self.key_valid[live, :P + t + 1], 1)
+            return model(tok[:, None], self.pos[live, P + t:P + t + 1], mask, cache)
+        S = P + t + 1
+        self.seq[live, P + t] = tok
+        return model(self.seq[live, :S], self.pos[live, :S],
+                     attention_mask(self.key_valid[live, :S], S), logits_from=S - 1)
+
+    def rollout(self, ids, pmask, sampling: Sampling) -> Rollout:
+        finished = torch.ones(ids.size(0), dtype=torch.bool, device=ids.device)
+        finished[self.live] = self.done  # rows that dropped out ended
+        n = self.steps
+        mask = self.out_mask[:, :n]
+        return Rollout(prompt_ids=ids, prompt_mask=pmask, completion_ids=self.out[:, :n],
+                       completion_mask=mask, logprobs=self.out_lp[:, :n], finished=finished,
+                       model_mask=mask, nonfinite=self.bad, sampling=sampling)
 
 
 @contextmanager

@@ -240,7 +240,6 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
                                                                                "linear"):
         raise ValueError(f"GGUF export: {arch} with rope scaling {c.rope_scaling} is not "
                          f"supported")
-    tokens, types, merges, pre, add_bos = gguf_vocab(tok, c.vocab_size)
     path = Path(path)
     Q = gguf.GGMLQuantizationType
     want = Q[qtype.upper()]
@@ -249,36 +248,8 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
     w = gguf.GGUFWriter(None, arch)  # its file: write_atomic's temporary one
     w.add_type("model")
     w.add_string(OURS, "1")  # is_our_gguf: a later export may replace this file
-    w.add_context_length(c.block_size)
-    w.add_embedding_length(c.n_embd)
-    w.add_block_count(c.n_layer)
-    w.add_feed_forward_length(c.n_inner)
-    w.add_head_count(c.n_head)
-    w.add_head_count_kv(c.n_kv_head)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    if c.rope_scaling:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(c.rope_scaling["factor"])
-    w.add_vocab_size(c.vocab_size)
-    w.add_file_type(ftype)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    if tok.bos_id is not None:
-        w.add_bos_token_id(tok.bos_id)
-    w.add_eos_token_id(tok.eos_id)
-    w.add_pad_token_id(tok.pad_id)
-    if len(tok.eos_ids) > 1:
-        w.add_eot_token_id(tok.eos_ids[1])
-    w.add_add_bos_token(add_bos)
-    if tok.chat_template is not None:
-        w.add_chat_template(tok.chat_template)
+    _add_hparams(w, c, ftype)
+    _add_tokenizer(w, tok, c.vocab_size)
     heads = {"q_proj": c.n_head, "k_proj": c.n_kv_head}
     weights = model.state_dict() if state is None else state
     for name, t in weights.items():
@@ -308,6 +279,47 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         w.close()
 
     return write_atomic(path, fill)
+
+
+def _add_hparams(w, c, ftype) -> None:
+    """The model's shape and RoPE as llama.cpp's keys (config `c`), and the file type."""
+    import gguf
+
+    w.add_context_length(c.block_size)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(c.n_inner)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_kv_head)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    if c.rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling["factor"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(ftype)
+
+
+def _add_tokenizer(w, tok, vocab_size: int) -> None:
+    """The tokenizer's vocabulary, merges, special ids and chat template as GGUF keys."""
+    tokens, types, merges, pre, add_bos = gguf_vocab(tok, vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if tok.bos_id is not None:
+        w.add_bos_token_id(tok.bos_id)
+    w.add_eos_token_id(tok.eos_id)
+    w.add_pad_token_id(tok.pad_id)
+    if len(tok.eos_ids) > 1:
+        w.add_eot_token_id(tok.eos_ids[1])
+    w.add_add_bos_token(add_bos)
+    if tok.chat_template is not None:
+        w.add_chat_template(tok.chat_template)
 
 
 def is_our_gguf(path: Path) -> bool:
