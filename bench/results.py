@@ -133,16 +133,20 @@ def calculator() -> str:
     return "\n".join(rows)
 
 
-def rl_screen() -> str:
-    """Issue 70's screen of the RL levers after SFT (bench/rl_screen.py's table)."""
-    sys.path.insert(0, str(BENCH))
-    from rl_screen import table
+def screen(name: str):
+    """A screen's table (bench/rl_screen.py's) of bench/NAME."""
+    def make() -> str:
+        sys.path.insert(0, str(BENCH))
+        from rl_screen import table
 
-    return table(json.loads((BENCH / "rl_screen_zen4.json").read_text()))
+        return table(json.loads((BENCH / name).read_text()))
+    return make
 
 
 TABLES = {"lm_job": lm_job, "lm_job_choices": lm_job_choices, "lm_job_runs": lm_job_runs,
-          "calculator": calculator, "rl_screen": rl_screen}
+          "calculator": calculator,
+          "rl_screen": screen("rl_screen_zen4.json"),  # issue 70: RL after SFT
+          "rl_alone_screen": screen("rl_alone_screen_zen4.json")}  # and from the base model
 
 
 def rendered(text: str, where: str) -> str:
