@@ -18,6 +18,7 @@ import torch
 from .engines import Sampling
 from .engines.turns import COUNTS
 from .precision import release_freed_memory
+from .progress import Heartbeat
 from .rewards.text import exact_match
 from .scoring import score
 
@@ -36,6 +37,21 @@ def _summary(total, columns: dict, lengths) -> dict[str, float]:
     return out
 
 
+class _Status:
+    """An evaluation's progress line: completions done of all, their rate, the time left."""
+
+    def __init__(self, name: str, total: int, prompts: str):
+        self.name, self.total, self.prompts = name, total, prompts
+        self.done, self.start = 0, time.monotonic()
+
+    def line(self) -> str:
+        seconds = time.monotonic() - self.start
+        rate = self.done / seconds if self.done and seconds > 0 else 0.0
+        eta = f", {rate:.1f}/s, ETA {(self.total - self.done) / rate:.0f} s" if rate else ""
+        return f"{self.name}: {self.done}/{self.total} completions of {self.prompts} " \
+               f"prompts{eta}"
+
+
 @torch.no_grad()
 def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
              amp: bool = True) -> dict:
@@ -50,23 +66,27 @@ def evaluate(run: Run, greedy: bool, seed: int = 0, batch_size: int = 256,
     engine, sampling = run.sampler(alone=True), Sampling.of(cfg, greedy)
     gen = torch.Generator(device=run.device).manual_seed(seed)
     texts, lengths, talks, counts, env = [], [], [], [], []
-    started, mode = time.monotonic(), "greedy" if greedy else "sampled"
-    for i in range(0, len(examples), batch_size):
-        # a long evaluation says how far it is: a slow machine is not a hung one
-        run.print0(f"[eval] {mode}: {i}/{len(examples)} completions of {len(task.eval)} "
-                   f"{task.eval_split} prompts ({time.monotonic() - started:.0f} s)")
-        # before each batch, the pages of what training or the batch before freed go back:
-        # in a heap that training left in pieces, each batch's caches land in new places
-        release_freed_memory(run.device)
-        chunk = examples[i:i + batch_size]
-        r = engine.generate([ex.model_input for ex in chunk], sampling, gen,
-                            run.precision.autocast(generation=True, enabled=amp))
-        texts += r.texts
-        lengths += r.lengths()
-        if r.conversations is not None:  # multi-turn
-            talks += r.conversations
-            counts.append(r.turn_counts.cpu())
-            env += r.env_rewards or []
+    mode = "greedy" if greedy else "sampled"
+    # a long evaluation says how far it is, at least every 10 s (a batch can take minutes on
+    # a slow machine): a slow machine is not a hung one
+    status = _Status(f"[eval] {mode}", len(examples), f"{len(task.eval)} {task.eval_split}")
+    with Heartbeat(run.print0, status.line):
+        for i in range(0, len(examples), batch_size):
+            run.print0(f"{status.line()} ({time.monotonic() - status.start:.0f} s)")
+            # before each batch, the pages of what training or the batch before freed go
+            # back: in a heap that training left in pieces, each batch's caches land in new
+            # places
+            release_freed_memory(run.device)
+            chunk = examples[i:i + batch_size]
+            r = engine.generate([ex.model_input for ex in chunk], sampling, gen,
+                                run.precision.autocast(generation=True, enabled=amp))
+            status.done += len(chunk)
+            texts += r.texts
+            lengths += r.lengths()
+            if r.conversations is not None:  # multi-turn
+                talks += r.conversations
+                counts.append(r.turn_counts.cpu())
+                env += r.env_rewards or []
     prompts = [ex.prompt for ex in examples]
     targets = [ex.target for ex in examples]
     res = score(run.scorer, examples, texts, lengths, cfg.max_new_tokens, talks or None,

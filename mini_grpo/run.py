@@ -59,6 +59,7 @@ from .precision import (
     resolve_precision,
     setup_backends,
 )
+from .progress import EVERY, Phases
 from .reference import AdaptersOff, Reference
 from .scoring import RewardScorer
 from .tasks import TaskData, build_task
@@ -189,11 +190,13 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     dist = D.init(cfg.dist_timeout, use_cuda=device.type == "cuda")
     scorer = claim = None
+    phases = Phases(dist.print0, "[mini-grpo] set-up")  # a line every 10 s, then its phases
     try:
         check_world(cfg, dist, device)
         claim = claim_out_dir(cfg, dist) if log else None
         check_engine(cfg, device)
         threads = setup_backends(cfg, dist.local_world_size)
+        phases.begin("the task and its rewards")
         data = task if isinstance(task, TaskData) else build_task(cfg) if task else None
         if data is not None:
             scorer = RewardScorer.from_config(cfg, data)
@@ -206,36 +209,35 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
         # (on a CPU device every rank builds its own: the precision probe runs on each)
         from_rank0 = sharded and weights_from_rank0(cfg, checkpoint)
         tools = ToolSetup.of(cfg)  # the tools or environment, imported and checked once
+        phases.begin("the model")
         model, tok = build_policy(cfg, data, checkpoint, meta=from_rank0 and not dist.is_main
                                   and device.type != "cpu",
                                   schemas=tools.schemas if tools is not None else ())
         lora = lora_facts(model, cfg)
         if not sharded:  # under fsdp each block goes to the device as it is sharded, so the
             model.to(device)  # device never holds the whole model
+        phases.begin("the prompts' lengths")
         longest = check_lengths(cfg, tok, [ex.model_input for ex in data.train + data.eval]) \
             if data is not None else 0
         if train and data is not None:
             check_sft_lengths(cfg, tok, data.train)
             check_step_memory(cfg, model.cfg, dist.world_size,
                               min(longest + cfg.max_new_tokens, model.cfg.block_size))
+        phases.begin("the precision probe")
         precision = resolve_precision(cfg, device, lambda parts: probe_dtypes(model, cfg, parts),
                                       train)
         model.attn_impl = attention_impl(cfg.attn_impl, device, precision.dtype)
         if is_lora(model) and precision.dtype in (torch.bfloat16, torch.float16):
             store_base_in(model, precision.dtype)  # half the frozen base's bytes, same results
-        if sharded:  # in place, before compiling: dynamo then compiles between FSDP's hooks
-            full = model.state_dict() if from_rank0 and dist.is_main else {}
-            comm = D.CommTimer()
-            fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
-                       cfg.fsdp_shard_size, comm)
-            if from_rank0:
-                fsdp.load_from_rank0(model, full, device, cfg.fsdp_cpu_offload)
-                del full
+        phases.begin("sharding and compiling" if sharded or cfg.compile_model else "wrapping")
+        # in place, before compiling: dynamo then compiles between FSDP's hooks
+        comm = _shard(model, cfg, device, precision, dist, from_rank0) if sharded else None
         trained = compile_with_fallback(model, cfg.compile_mode) if cfg.compile_model else model
         # DDP-wrapped under torchrun, as it is in a single process (then comm is None)
         net, comm = (trained, comm) if sharded else D.wrap_ddp(trained, device)
         logger = open_run_dir(cfg, tok) if log and dist.is_main else None
     except BaseException:
+        phases.end()
         if scorer is not None:
             scorer.close()
         if claim is not None:
@@ -245,18 +247,36 @@ def setup(cfg: GRPOConfig, checkpoint: dict | None = None, log: bool = True,
     run = Run(cfg, dist, device, threads, precision, data, tok, model, net, comm, scorer, logger,
               lora=lora, claim=claim, tools=tools)
     try:  # before any work: a model the engine cannot serve is refused here
+        phases.begin("the rollout engine")
         run.engine = make_engine(cfg, model, tok, device, dist, min(
             longest + cfg.max_new_tokens, model.cfg.block_size) if longest else None, tools)
     except BaseException:
+        phases.end()
         run.close(failed=True)
         raise
-    _report(run, log)
+    _report(run, log, phases)
     return run
 
 
-def _report(run: Run, log: bool) -> None:
-    """The set-up's lines: the task, model, processes and precision (rank 0), and for a
-    training run what each rank holds."""
+def _shard(model, cfg, device, precision, dist, from_rank0: bool) -> D.CommTimer:
+    """fsdp: `model` sharded in place over the ranks (from rank 0's weights where it alone
+    read them) -> the timer of its collectives."""
+    full = model.state_dict() if from_rank0 and dist.is_main else {}
+    comm = D.CommTimer()
+    fsdp.shard(model, device, _fsdp_dtype(precision), cfg.fsdp_cpu_offload,
+               cfg.fsdp_shard_size, comm)
+    if from_rank0:
+        fsdp.load_from_rank0(model, full, device, cfg.fsdp_cpu_offload)
+    return comm
+
+
+def _report(run: Run, log: bool, phases: Phases) -> None:
+    """The set-up's lines: how long it took (where that was 10 s or more: its phases), the
+    task, model, processes and precision (rank 0), and for a training run what each rank
+    holds."""
+    phases.end()
+    if sum(phases.seconds.values()) >= EVERY:
+        phases.report()
     cfg, dist, data, model, device = run.cfg, run.dist, run.task, run.model, run.device
     threads, precision, logger = run.threads, run.precision, run.logger
     if data is not None:
