@@ -110,7 +110,7 @@ def test_a_grpo_stage_pushes_each_version_of_the_weights_once(tmp_path, monkeypa
     gets each once; the trainer's own flag used to push the first one twice."""
     made = []
 
-    def make_engine(cfg, model, tok, device, dist, max_len=None):
+    def make_engine(cfg, model, tok, device, dist, max_len=None, tools=None):
         made.append(Counting(model, tok, cfg.kv_cache))
         return made[-1]
 
