@@ -300,19 +300,16 @@ class GRPOConfig:
         each error opens with the field's name (load_config adds where it was set)."""
         expand_paths(self)  # a path field's leading ~ (opt's path)
         check_ranges(self)  # each field's declared range (opt)
-        rows = self.prompts_per_step * self.group_size
+        k = self.dynamic_sampling_factor  # the rows sampled: k times those trained on
+        rows = self.prompts_per_step * self.group_size * k
         if rows > MAX_GENERATED:
             raise ConfigError(f"prompts_per_step: {self.prompts_per_step:,} prompts x group_size "
-                              f"{self.group_size:,} = {rows:,} rows per step, more than "
-                              f"{MAX_GENERATED:,}")
-        if self.dynamic_sampling_factor > 1 and not self.dynamic_sampling:
-            raise ConfigError(f"dynamic_sampling_factor: {self.dynamic_sampling_factor} draws "
-                              f"more prompts to keep the groups with signal; it needs "
-                              f"dynamic_sampling: true")
-        if rows * self.dynamic_sampling_factor > MAX_GENERATED:
-            raise ConfigError(f"dynamic_sampling_factor: {self.dynamic_sampling_factor} x "
-                              f"{rows:,} rows per step is more than {MAX_GENERATED:,} rows "
-                              f"to sample")
+                              f"{self.group_size:,}" + (f" x dynamic_sampling_factor {k}"
+                                                        if k > 1 else "")
+                              + f" = {rows:,} rows per step, more than {MAX_GENERATED:,}")
+        if k > 1 and not self.dynamic_sampling:
+            raise ConfigError(f"dynamic_sampling_factor: {k} draws more prompts to keep the "
+                              f"groups with signal; it needs dynamic_sampling: true")
         if self.group_size < 2:
             raise ConfigError(f"group_size: must be >= 2 (advantages compare within a group), "
                               f"got {self.group_size}")

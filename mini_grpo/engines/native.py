@@ -166,7 +166,7 @@ class _Decoding:
     the rows still in the batch (`live`, those that ended drop out) with which of them have
     ended (`done`, (b,))."""
 
-    def __init__(self, ids, pmask, out, key_valid, pos, pad_id):
+    def __init__(self, ids, out, key_valid, pos, pad_id):
         B, device = ids.size(0), ids.device
         self.P, self.pad_id, self.steps = ids.size(1), pad_id, 0
         self.out, self.pos, self.key_valid = out, pos, key_valid
@@ -186,7 +186,7 @@ class _Decoding:
         pos[:, :P] = positions(pmask)
         pos[:, P:] = pmask.sum(1, keepdim=True) + torch.arange(N, device=device)
         out = torch.full((B, N), pad_id, dtype=torch.long, device=device)
-        return cls(ids, pmask, out, key_valid, pos, pad_id)
+        return cls(ids, out, key_valid, pos, pad_id)
 
     def finite(self, last):
         """The last position's logits (b, V) fp32 with a row's non-finite ones zeroed, and
