@@ -83,3 +83,19 @@ class Phases:
                                                                     else "")
         self.say(line)
         return line
+
+
+class Laps:
+    """A step's phases timed one after the other: `lap(name)` records the seconds since the
+    last lap (or `start`) under `name` in `times`."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock, self.times = clock, {}
+        self._t = clock()
+
+    def start(self) -> None:
+        self._t = self.clock()
+
+    def __call__(self, name: str) -> None:
+        now = self.clock()
+        self.times[name], self._t = now - self._t, now

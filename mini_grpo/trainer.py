@@ -33,6 +33,7 @@ from .engines.turns import COUNTS
 from .evaluate import evaluate
 from .grpo import LossSettings, grpo_loss, kl_reward_penalty
 from .precision import memory_gb, release_freed_memory
+from .progress import Laps
 from .scoring import score
 from .state import TrainState
 from .trajectory import Trajectory
@@ -62,17 +63,17 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
     release_freed_memory(run.device)  # the stages before: their blocks, not this one's
     for step in range(state.current_step + 1, cfg.max_steps + 1):
         faults.step_start(step, dist)
-        t_step, times = time.perf_counter(), {}
+        t_step, lap = time.perf_counter(), Laps()
         rows = step_rows(task.train, cfg, dist, step)  # this rank's prompts, G rows each
 
         # ---- rollout by the engine (native: the unwrapped policy, no DDP hooks), which
         # first gets the weights if an update, a restore or the stage before changed them
-        t0 = time.perf_counter()
+        lap.start()
         run.sync_engine()
-        times["sync"], t0 = time.perf_counter() - t0, time.perf_counter()
+        lap("sync")
         r = engine.generate([ex.model_input for ex in rows], sampling, state.gen,
                             state.autocast(generation=True))
-        times["generate"], t0 = time.perf_counter() - t0, time.perf_counter()
+        lap("generate")
 
         # ---- rewards; the step's record: advantages, global normalisers, micro-batch plan
         res = score(run.scorer, rows, r.texts, r.lengths(), cfg.max_new_tokens,
@@ -80,21 +81,21 @@ def train_grpo(run: Run, resume: dict | None = None, amp: bool = True,
         rows, r, res, sampled = keep_signal(rows, r, res, cfg, dist)
         traj = Trajectory.of(r, torch.tensor(res.total, dtype=torch.float32,
                                              device=run.device), cfg, model)
-        times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
+        lap("reward")
 
         # ---- reference log-probs (beta = 0: no reference)
         traj = with_reference(run, traj, r, state)
-        times["reference"], t0 = time.perf_counter() - t0, time.perf_counter()
+        lap("reference")
 
         # ---- policy update: num_iterations passes, gradient accumulation over micro-batches
-        traj, stats, times["optimizer"] = update(run, traj, state, step)
-        times["policy"] = time.perf_counter() - t0
+        traj, stats, lap.times["optimizer"] = update(run, traj, state, step)
+        lap("policy")
 
         # ---- metrics: one collective, which also brings rank 0's verdict on the time limit
         seconds = time.perf_counter() - t_step
         late = None if not cfg.max_minutes else \
             limit is not None and step < cfg.max_steps and not limit.next_fits(seconds)
-        m = step_metrics(traj, res, stats, cfg, times, seconds, late, sampled)
+        m = step_metrics(traj, res, stats, cfg, lap.times, seconds, late, sampled)
         last = step == cfg.max_steps or bool(m.get("time/limit_reached"))
         m.update(state.metrics(), **comm_times(run.comm))
         # the last step is logged whatever log_every: the row the final checkpoint and the

@@ -7,17 +7,20 @@ GRPOTrajectory). The reference pass, every policy pass, the loss and the metrics
 
 It holds the rollout's tokens and masks (the completion mask says which tokens are attended,
 the loss mask which of them carry loss: in a multi-turn rollout, the model's own tokens, not
-its tools' results), the engine's log-probs and the `Sampling` they were
-drawn with (re-scoring uses its temperature), the rewards and advantages, the global batch's
-normalisers (one all-reduce: N ranks normalise as one process holding the whole batch), and
-the micro-batch plan every pass follows. Nothing fills it in: the reference's and the old
+its tools' results), the engine's log-probs and the `Sampling` they were drawn with
+(re-scoring uses its temperature), the rewards and advantages, the global batch's normalisers
+and the micro-batch plan every pass follows. The normalisers come from a function the record
+is given (`global_stats`: one all-reduce, so N ranks normalise as one process holding the
+whole batch), not from the constructor. Nothing fills it in: the reference's and the old
 policy's log-probs come as new records (`replace`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +30,40 @@ from .advantages import AdvantageInputs, advantages, zero_spread
 from .engines.base import Rollout, Sampling
 from .logprobs import completion_logprobs
 from .plan import Cut, cut, row_batches
+
+
+class BatchStats(NamedTuple):
+    """The global batch's counts and reward moments, 0-d fp32 tensors: what N ranks need to
+    normalise as one process holding the whole batch."""
+    num_rows: torch.Tensor  # rows of the global batch
+    num_seqs: torch.Tensor  # sequences that carry loss (>= 1)
+    num_tokens: torch.Tensor  # tokens that carry loss (>= 1)
+    reward_mean: torch.Tensor
+    reward_std: torch.Tensor  # population std of the batch's rewards
+    centered_std: torch.Tensor  # rms of each reward less its group's mean
+
+
+def global_stats(rewards: torch.Tensor, group_size: int, seqs: torch.Tensor,
+                 tokens: torch.Tensor, reduce=D.all_reduce_sum) -> BatchStats:
+    """BatchStats of this rank's `rewards` (B,) in groups of `group_size`, its loss-carrying
+    `seqs` and `tokens` (0-d), summed over ranks by `reduce` in one collective."""
+    # in float64: s2/n - mean^2 cancels, and in float32 rewards of 100 +- 0.1 had a batch
+    # std of 0 (scale_rewards: batch then scaled their advantages ~350x)
+    r64 = rewards.double().view(-1, group_size)
+    c64 = r64 - r64.mean(dim=1, keepdim=True)  # each reward less its group's mean
+    n, s1, s2, c2, seqs, tokens = reduce(torch.stack([
+        torch.tensor(float(len(rewards)), dtype=torch.float64, device=rewards.device),
+        r64.sum(), r64.square().sum(), c64.square().sum(), seqs.to(rewards.device).double(),
+        tokens.to(rewards.device).double()]))
+    std = (s2 / n - (s1 / n) ** 2).clamp(min=0).sqrt()
+    return BatchStats(n.float(), seqs.float().clamp(min=1), tokens.float().clamp(min=1),
+                      (s1 / n).float(), std.float(), (c2 / n).sqrt().float())
+
+
+def local_stats(rewards: torch.Tensor, group_size: int, seqs: torch.Tensor,
+                tokens: torch.Tensor) -> BatchStats:
+    """BatchStats of this rank's rows alone (no collective): a single process's, or a test's."""
+    return global_stats(rewards, group_size, seqs, tokens, reduce=lambda t: t)
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,10 +129,12 @@ class Trajectory:
     # (Rollout.turn_counts)
 
     @classmethod
-    def of(cls, r: Rollout, rewards: torch.Tensor, cfg, model=None) -> Trajectory:
-        """The record of rollout `r` with its `rewards` (B,): group advantages and, in one
-        all-reduce, the counts and reward moments of the global batch; the micro-batch plan
-        of `cfg` (`model`: the policy, for fsdp's pad). With dynamic_sampling, zero-spread
+    def of(cls, r: Rollout, rewards: torch.Tensor, cfg, model=None,
+           stats: Callable[..., BatchStats] = global_stats) -> Trajectory:
+        """The record of rollout `r` with its `rewards` (B,): group advantages and the counts
+        and reward moments of the global batch, which `stats` gives (global_stats: one
+        all-reduce; local_stats: this rank's alone); the micro-batch plan of `cfg` (`model`:
+        the policy, for fsdp's pad). With dynamic_sampling, zero-spread
         groups carry no loss; with mask_truncated, rows cut off at max_new_tokens carry none
         (their rewards still shape their group's advantages).
 
@@ -114,19 +153,10 @@ class Trajectory:
             loss_mask = loss_mask & r.finished[:, None]
         n_seqs = loss_mask.any(1).sum() if cfg.dynamic_sampling or cfg.mask_truncated else \
             torch.tensor(len(rewards))
-        # in float64: s2/n - mean^2 cancels, and in float32 rewards of 100 +- 0.1 had a batch
-        # std of 0 (scale_rewards: batch then scaled their advantages ~350x)
-        r64 = rewards.double().view(-1, G)
-        c64 = r64 - r64.mean(dim=1, keepdim=True)  # each reward less its group's mean
-        n, s1, s2, c2, seqs, tokens = D.all_reduce_sum(torch.stack([
-            torch.tensor(float(len(rewards)), dtype=torch.float64, device=rewards.device),
-            r64.sum(), r64.square().sum(), c64.square().sum(),
-            n_seqs.to(rewards.device).double(), loss_mask.sum().double()]))
-        std = (s2 / n - (s1 / n) ** 2).clamp(min=0).sqrt().float()
-        n, mean, seqs, tokens = n.float(), (s1 / n).float(), seqs.float(), tokens.float()
+        g = stats(rewards, G, n_seqs, loss_mask.sum())
         adv = advantages(cfg.advantage_estimator, AdvantageInputs(
-            rewards.float().view(-1, G), mean, std, (c2 / n).sqrt().float(), cfg.scale_rewards,
-            1e-4)).view(-1)
+            rewards.float().view(-1, G), g.reward_mean, g.reward_std, g.centered_std,
+            cfg.scale_rewards, 1e-4)).view(-1)
         live = loss_mask if cfg.beta else loss_mask & (adv != 0)[:, None]
         plan = tuple(cut(rows, live, r.prompt_mask, G) for rows in row_batches(
             r.prompt_mask, live, cfg.micro_batch_size, G, cfg.micro_batch_tokens))
@@ -135,15 +165,16 @@ class Trajectory:
                    completion_ids=r.completion_ids, completion_mask=r.completion_mask,
                    loss_mask=loss_mask, finished=r.finished, sampling_logp=r.logprobs,
                    nonfinite=r.nonfinite, sampling=r.sampling, group_size=G, rewards=rewards,
-                   advantages=adv, zero_spread=zero, num_rows=n, num_seqs=seqs.clamp(min=1),
-                   num_tokens=tokens.clamp(min=1), reward_mean=mean, reward_std=std,
-                   plan=plan, pad=pad, turn_counts=r.turn_counts)
+                   advantages=adv, zero_spread=zero, num_rows=g.num_rows,
+                   num_seqs=g.num_seqs, num_tokens=g.num_tokens, reward_mean=g.reward_mean,
+                   reward_std=g.reward_std, plan=plan, pad=pad, turn_counts=r.turn_counts)
 
-    def penalised(self, r: Rollout, penalty: torch.Tensor, cfg, model=None) -> Trajectory:
+    def penalised(self, r: Rollout, penalty: torch.Tensor, cfg, model=None,
+                  stats: Callable[..., BatchStats] = global_stats) -> Trajectory:
         """The record of the same rollout with advantages of its rewards less `penalty` (B,)
         (kl_in_reward); its rewards, their moments and zero-spread groups stay the task's,
         as the metrics report them, and so do the reference log-probs it holds."""
-        t = Trajectory.of(r, self.rewards - penalty, cfg, model)
+        t = Trajectory.of(r, self.rewards - penalty, cfg, model, stats)
         return t.replace(rewards=self.rewards, reward_mean=self.reward_mean,
                          reward_std=self.reward_std, zero_spread=self.zero_spread,
                          ref_logp=self.ref_logp)

@@ -342,3 +342,35 @@ def test_the_batch_std_of_offset_rewards_is_exact():
         assert t.reward_std.item() == pytest.approx(exact.item(), rel=1e-5)
         want = group_advantages(rewards.double(), G, "batch", batch_std=exact)
         torch.testing.assert_close(t.advantages, want, rtol=1e-3, atol=1e-3)
+
+
+def test_the_batch_statistics_come_from_the_function_the_record_is_given():
+    """Trajectory.of's normalisers are `stats`' (global_stats: one all-reduce): two ranks
+    holding the same rows normalise as one process holding both, so the moments stay and
+    the counts double; the advantages are the same."""
+    from conftest import make_rollout, tiny
+
+    from mini_grpo.trajectory import Trajectory, global_stats, local_stats
+
+    B, G = 4, 2
+    r = make_rollout(torch.zeros(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.bool),
+                     torch.zeros(B, 3, dtype=torch.long),
+                     torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]).bool())
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    cfg = tiny(None, group_size=G, scale_rewards="batch", beta=0.0)
+    calls = []
+
+    def two_ranks(rw, g, seqs, tokens):
+        calls.append((rw.tolist(), g, int(seqs), int(tokens)))
+        return global_stats(rw, g, seqs, tokens, reduce=lambda t: t * 2)
+
+    one = Trajectory.of(r, rewards, cfg, stats=local_stats)
+    two = Trajectory.of(r, rewards, cfg, stats=two_ranks)
+    assert calls == [([1.0, 0.0, 0.5, 2.0], 2, 4, 9)]  # 4 rows carry loss, 9 tokens
+    assert (one.num_rows.item(), one.num_seqs.item(), one.num_tokens.item()) == (4, 4, 9)
+    assert (two.num_rows.item(), two.num_seqs.item(), two.num_tokens.item()) == (8, 8, 18)
+    assert one.reward_mean.item() == two.reward_mean.item() == pytest.approx(0.875)
+    assert one.reward_std.item() == pytest.approx(rewards.std(unbiased=False).item())
+    torch.testing.assert_close(one.advantages, two.advantages)
+    # the default is the collective: in a single process, the same as this rank's alone
+    torch.testing.assert_close(Trajectory.of(r, rewards, cfg).advantages, one.advantages)

@@ -52,3 +52,16 @@ def test_the_evaluation_s_line_says_done_rate_and_time_left(monkeypatch):
     s.done, clock["t"] = 100, 70.0
     assert s.line() == ("[eval] sampled: 100/400 completions of 100 validation prompts, "
                         "5.0/s, ETA 60 s")
+
+
+def test_laps_time_each_phase_from_the_end_of_the_one_before():
+    from mini_grpo.progress import Laps
+
+    now = iter([0.0, 5.0, 7.0, 7.5, 10.0])
+    lap = Laps(clock=lambda: next(now))  # 0.0: made
+    lap.start()  # 5.0: what came before is no phase's
+    lap("sync")  # 7.0
+    lap("generate")  # 7.5
+    lap.times["optimizer"] = 1.0  # a phase's own figure, set beside the laps
+    lap("policy")  # 10.0
+    assert lap.times == {"sync": 2.0, "generate": 0.5, "optimizer": 1.0, "policy": 2.5}
