@@ -5,20 +5,21 @@
     prompt_ids = turns.prompt_ids()                # the prompts, with the tool list
     nxt = turns.end_turn(rows, replies)            # ids to append after each reply, or None
 
-An engine samples a row until its turn ends (an EOS token), hands the turn's ids to
-`end_turn`, and appends the ids it returns (the environment's messages as the chat template
-renders them, and the generation prompt) as tokens the model did not write: attended to,
-never trained on. None ends the row: its environment said so (a turn without tool calls),
-or it used its max_tool_calls rounds. The environments of the rows whose turns ended
-together step at once, each in a daemon thread of its own (tool_timeout counts from its own
-start; a step that never returns keeps no process alive). One that does not answer within
-tool_timeout seconds, or raises, answers `error: ...`, and its thread is left to finish on
-its own: that environment is not stepped again while it runs (its row ends at its next
-turn). What an environment returns is checked (envs.checked_step: EnvError names it). What
-it says is bounded here, by the rollout: an environment whose __init__ or reset raises, or
-whose answers are past a conversation's bounds (MAX_MESSAGES, MAX_CHARS) or do not render,
-breaks its row alone (COUNTS' `broken`, logged once per environment and kind), and text UTF-8
-cannot encode is replaced (envs.clean_text).
+An engine samples a row until its turn ends (an EOS token), hands the turn's ids to `end_turn`,
+and appends the ids it returns (the environment's messages as the chat template renders them,
+and the generation prompt) as tokens the model did not write: attended to, never trained on.
+None ends the row: its environment said so (a turn without tool calls), or it used its
+max_tool_calls rounds. The environments of the rows whose turns ended together step at once,
+each in a daemon thread of its own (tool_timeout counts from its own start; a step that never
+returns keeps no process alive). One that does not answer within tool_timeout seconds, or
+raises, answers `error: ...`, and its thread is left to finish on its own: that environment is
+not stepped again while it runs (its row ends at its next turn). The tool loop (ToolEnv) is
+timed in one layer too, its own: each call gets tool_timeout, so its step ends by then with the
+answers that came. What an environment returns is checked (envs.checked_step: EnvError names
+it). What it says is bounded here, by the rollout: an environment whose __init__ or reset
+raises, or whose answers are past a conversation's bounds (MAX_MESSAGES, MAX_CHARS) or do not
+render, breaks its row alone (COUNTS' `broken`, logged once per environment and kind), and text
+UTF-8 cannot encode is replaced (envs.clean_text).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from ..threads import run_at_once
 from ..tools import first_line
 from .base import Rollout
 
-TOOL_LOOP_GRACE = 5.0  # s past tool_timeout for the tool loop's step, which bounds its calls
 # Turns.counts' columns, per row: tool calls, of them failed, rounds answered, capped by
 # max_tool_calls, broken (its environment failed: __init__ or reset raised, or what it said
 # is over a conversation's bounds)
@@ -134,8 +134,10 @@ class Turns:
         self.start = [len(h) for h in self.history]  # where each row's own turns begin
         self.rewards = torch.zeros(len(prompts), dtype=torch.float64)  # reward parts, summed
         self.running: dict[int, cf.Future] = {}  # rows whose step timed out, and that step
-        # the tool loop bounds each call itself (ToolEnv's timeout), keeping the others' answers
-        self.deadline = setup.timeout + (TOOL_LOOP_GRACE if setup.tool_loop else 0.0)
+        # one layer bounds a step's time: a user's environment here, the tool loop in ToolEnv,
+        # each of its calls (so that a slow one does not cost the others' answers), which
+        # ends its step within tool_timeout
+        self.deadline = None if setup.tool_loop else setup.timeout
 
     def prompt_ids(self) -> list[list[int]]:
         """Each row's conversation so far, rendered and encoded: the task's prompt, or what
