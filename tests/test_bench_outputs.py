@@ -96,8 +96,8 @@ def test_a_job_measurement_records_the_kernel_and_allocator_variables_it_ran_und
 
 
 def test_the_documents_result_tables_are_the_bench_json_s():
-    """README's and docs/results.md's generated tables equal what bench/results.py makes of
-    the bench/ JSON now (a new run, or a hand edit between the markers, must be followed by
+    """README's generated tables and the whole of docs/results.md equal what bench/results.py
+    makes of the bench/ JSON now (a new run, or a hand edit, must be followed by
     `python bench/results.py`); a stale table is found, an unknown one refused."""
     import results
 
@@ -108,3 +108,31 @@ def test_the_documents_result_tables_are_the_bench_json_s():
     assert results.rendered(fresh, "doc") == fresh
     with pytest.raises(SystemExit, match="doc: <!-- results: nope -->: no such table"):
         results.rendered("<!-- results: nope -->\n<!-- /results -->", "doc")
+
+
+def test_the_results_page_is_written_whole_and_any_changed_byte_is_stale(tmp_path, monkeypatch,
+                                                                         capsys):
+    """docs/results.md is the template with its tables filled, byte for byte: `--check` names
+    the page and what differs (a table, the text outside them, one byte more) and changes
+    nothing; a plain run writes it back."""
+    import results
+
+    page = results.page()
+    assert page.startswith("# mini-grpo: results\n") and "**This page is generated**" in page
+    assert "| AMD EPYC Zen4" in page and "<!-- results: trl_step -->" in page
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text((ROOT / "README.md").read_text())
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    out = tmp_path / "docs" / "results.md"
+    table = page.index("| AMD EPYC Zen4")
+    for stale, named in ((page[:table] + "| typed" + page[table + 1:], "docs/results.md: lm_job"),
+                         (page.replace("**This page", "**The page", 1), "outside the tables"),
+                         (page + "\n", "docs/results.md: the text outside the tables")):
+        out.write_text(stale)
+        assert results.main(["--check"]) == 1
+        assert named in capsys.readouterr().out
+        assert out.read_text() == stale
+    out.unlink()
+    assert results.main(["--check"]) == 1  # no page at all
+    assert results.main([]) == 0 and out.read_text() == page
+    assert results.main(["--check"]) == 0
