@@ -104,7 +104,7 @@ class GRPOConfig:
     # recompute each block's activations in backward instead of keeping them: less memory
     gradient_checkpointing: bool = opt(False, "run", env="GRADIENT_CHECKPOINTING")
     # sdpa: torch's scaled_dot_product_attention; manual: matmul, softmax, matmul; auto = manual
-    # under bf16 autocast on CPU (SDPA's bf16 backward is slower there: docs/results.md), else sdpa
+    # under bf16 autocast on CPU (SDPA's bf16 backward is slower there: docs/history.md), else sdpa
     attn_impl: Literal["auto", "sdpa", "manual"] = opt("auto", "run")
 
     # ---- LoRA (lora.py; docs/guide.md "LoRA") ----
@@ -122,7 +122,7 @@ class GRPOConfig:
     # most tokens sampled per completion (a FEN after 12 plies is at most ~75 characters)
     max_new_tokens: int = opt(80, "rft_data loss", "1..1048576")
     kv_cache: bool = opt(True, "run")  # false = recompute the whole sequence per token
-    # of all sampling (rollouts, RFT's data, sampled evaluation); why 0.7: docs/results.md
+    # of all sampling (rollouts, RFT's data, sampled evaluation); why 0.7: docs/history.md
     temperature: float = opt(0.7, "rft_data grpo", "(0, 100]")
     top_k: int = opt(0, "rft_data grpo", "0..1048576")  # 0 = off
     top_p: float = opt(1.0, "rft_data grpo", "(0, 1]")  # 1.0 = off
@@ -175,7 +175,7 @@ class GRPOConfig:
     micro_batch_size: int = opt(32, "run", "> 0", at_most=MAX_GENERATED)
     micro_batch_tokens: int = opt(0, "run", "0..1000000000")  # most token positions a pass; 0: off
     num_iterations: int = opt(1, "grpo", "1..1000")  # policy passes per rollout
-    # AdamW's peak learning rate (warm-up, then cosine decay to a tenth); why: docs/results.md
+    # AdamW's peak learning rate (warm-up, then cosine decay to a tenth); why: docs/history.md
     lr: float = opt(3e-5, "grpo", "[0, 1e6]")
     weight_decay: float = opt(0.0, "sft grpo", "[0, 10]")  # AdamW's decoupled decay, matrices only
     # AdamW's eps: a coordinate whose gradient scale is far below it moves far less than lr
@@ -222,7 +222,7 @@ class GRPOConfig:
     mask_truncated: bool = opt(False, "grpo")
 
     # ---- SFT warm start ----
-    # optimizer steps on the task's (prompt, target) rows before GRPO; why: docs/results.md
+    # optimizer steps on the task's (prompt, target) rows before GRPO; why: docs/history.md
     sft_steps: int = opt(1200, "sft", "0..10000000")
     sft_batch_size: int = opt(64, "sft", "> 0", at_most=MAX_GENERATED)  # rows per step, all ranks
     sft_lr: float = opt(1e-3, "sft", "[0, 1e6]")  # peak learning rate, scheduled as lr's
@@ -230,7 +230,7 @@ class GRPOConfig:
     # ---- rejection-sampling fine-tuning (mode: rft) ----
     # completions sampled per prompt
     rft_oversample: int = opt(16, "rft_data", "> 0", at_most=MAX_GENERATED)
-    # prompts per generation pass (x rft_oversample rows); GPUs want far more (docs/results.md)
+    # prompts per generation pass (x rft_oversample rows); GPUs want far more (docs/history.md)
     rft_prompts_per_batch: int = opt(8, "run", "> 0", at_most=MAX_GENERATED)
     rft_min_reward: float = opt(0.9, "rft_data", "[-1e9, 1e9]")  # keep completions at or above
     # per prompt: the best one, or every distinct one
@@ -268,14 +268,14 @@ class GRPOConfig:
     # torch.autocast around training's forward passes, in amp_dtype
     use_amp: bool = opt(True, "sft", env="USE_AMP")
     # auto = bf16 on CUDA (fp16 without bf16); on a CPU with bf16 units the faster of bf16 and
-    # fp32 in a probe at start (dtype_probe.py, cached; CPUs differ: docs/results.md), else fp32
+    # fp32 in a probe at start (dtype_probe.py, cached; CPUs differ: docs/history.md), else fp32
     amp_dtype: Literal["bfloat16", "float16", "auto"] = opt("auto", "sft", env="AMP_DTYPE")
     # autocast while sampling: on = in amp_dtype, off = fp32; auto = follow use_amp, and on a
     # CPU the probe's faster of the two
     generation_amp: Literal["auto", "on", "off"] = opt("auto", "run")
     use_tf32: bool = opt(True, "run", env="USE_TF32")  # TF32 matmuls on Ampere+; no-op elsewhere
     # torch.compile the model's training forward (eager if compiling fails); a cold start of
-    # ~30 s, and slower than eager on a CPU (docs/results.md): meant for GPUs
+    # ~30 s, and slower than eager on a CPU (docs/history.md): meant for GPUs
     compile_model: bool = opt(False, "run", env="COMPILE_MODEL")
     # torch.compile's mode, under compile_model
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = opt(
@@ -287,7 +287,7 @@ class GRPOConfig:
     # torch intra-op threads per process; 0 = cores / local ranks
     num_threads: int = opt(0, "run", "0..4096", env="NUM_THREADS")
     # CPU runs (glibc): keep freed blocks below 64 MiB for reuse, not hand them back to the OS,
-    # whose page faults slow the policy update (docs/results.md); trimmed as each phase starts
+    # whose page faults slow the policy update (docs/history.md); trimmed as each phase starts
     cpu_malloc_cache: bool = opt(True, "run", env="CPU_MALLOC_CACHE")
     # consecutive non-finite steps before the next fallback: AMP off, lr halved, restore, stop
     guard_patience: int = opt(3, "run", "1..1000")

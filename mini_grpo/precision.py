@@ -220,7 +220,7 @@ def keep_freed_memory() -> bool:
     By default glibc maps blocks of up to 32 MiB freshly from the OS (its threshold moves
     between 128 KiB and 32 MiB) and unmaps them on free, so every large activation is a new
     buffer whose first write page-faults: the production model's forward+backward spent a
-    third of its time there on a CPU (docs/results.md).
+    third of its time there on a CPU (docs/history.md).
     PyTorch has no caching allocator for CPU tensors; this makes glibc one. Blocks from
     KEEP_BELOW up (the LM job's logits, an evaluation's key/value cache) are still mapped
     and unmapped: few, so their page faults cost little, and kept they left holes in the
@@ -243,7 +243,7 @@ def release_freed_memory(device: torch.device) -> bool:
     stage's TrainState with its AdamW state and gradients, 1.5 GiB for SmolLM2-135M) stayed
     alive until Python's next full collection, into the stages after it. And with
     cpu_malloc_cache, what one phase freed and the next does not fit (the optimizer's state,
-    a pass's activations) stayed resident (docs/results.md)."""
+    a pass's activations) stayed resident (docs/history.md)."""
     gc.collect()
     trim = _glibc("malloc_trim") if device.type == "cpu" else None
     return bool(trim and trim(ctypes.c_size_t(0)))
@@ -258,7 +258,7 @@ ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": 
 # cycles through more primitives than 16, so each of its 30 layers missed the cache and built
 # its primitives again (where a primitive is a JIT-compiled kernel, as with AMX, that doubled
 # the LM job's policy pass). 128 holds a micro-batch's; LoRA frees 1.7 GiB of
-# gradients and AdamW state, so the cache costs it no headroom (docs/results.md)
+# gradients and AdamW state, so the cache costs it no headroom (docs/history.md)
 ONEDNN_LORA_PRIMITIVES = "128"
 
 

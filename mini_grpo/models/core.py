@@ -67,7 +67,7 @@ class KVCache:
         layer at a time; the cache becomes a view of its first rows. Gathering every layer's
         kept rows at once allocated a second cache beside the first at each drop: on a CPU,
         in a heap that training had left in pieces, each landed on pages of its own, and the
-        LM job's evaluations peaked at 4.5 GiB against 3.9 in place (docs/results.md)."""
+        LM job's evaluations peaked at 4.5 GiB against 3.9 in place (docs/history.md)."""
         idx = rows.nonzero().flatten()
         n = len(idx)
         for t in (self.k, self.v):
@@ -146,7 +146,7 @@ class Attention(nn.Module):
             # a decode step under bf16 on a CPU without AMX: SDPA's kernel costs several
             # times what grouped matmuls do (each key/value head with its g query heads, no
             # copies of the keys); with AMX, SDPA wins; in fp32 SDPA is as fast (the figures:
-            # docs/results.md)
+            # docs/history.md)
             manual = True
         if not manual:
             causal = isinstance(mask, str)
@@ -225,7 +225,7 @@ class CausalLM(nn.Module):
         passes without a KV cache; sampling with the cache always runs SDPA.
 
         On CPUs with AVX-512 BF16, under bf16 autocast SDPA's backward ran a few times slower
-        than the manual form, while in fp32 SDPA was as fast or faster (docs/results.md).
+        than the manual form, while in fp32 SDPA was as fast or faster (docs/history.md).
         """
         if impl not in ("sdpa", "manual"):
             raise ValueError(f"attn_impl must be sdpa or manual, got {impl!r}")

@@ -289,7 +289,7 @@ def numeric_concise(prompts, completions, targets, metas):
     scores 0.75, a wrong one 0 at any length. Beside numeric_answer at a small weight it
     prefers the shorter of right answers and nothing else: a length penalty on every row
     (wrong ones too) taught the LM job's model to answer with EOS alone by step 26, where
-    most groups had no right answer (docs/results.md). Rows without recorded lengths
+    most groups had no right answer (docs/history.md). Rows without recorded lengths
     score as numeric_answer."""
     out = []
     for right, m in zip(numeric_answer(prompts, completions, targets, metas), metas):
