@@ -1,6 +1,7 @@
-"""Model families, our own code: `gpt` (ours, and Hugging Face GPT-2) and `llama` (Llama 3.x,
-Qwen2/2.5, Qwen3, SmolLM2, Mistral). Each is a CausalLM (core.py) with the same forward
-passes, KV cache and shared-prompt pass; the trainer never asks which family it holds.
+"""Model families, our own code: `gpt` (ours, and Hugging Face GPT-2), `llama` (Llama 3.x,
+Qwen2/2.5, Qwen3, SmolLM2, Mistral) and `gemma` (Gemma 3, text). Each is a CausalLM (core.py)
+with the same forward passes, KV cache and shared-prompt pass; the trainer never asks which
+family it holds.
 
 A model travels in our checkpoints as its spec, {"family": ..., "config": {...}} (`spec`),
 and is rebuilt from it (`build`); hf.py reads and writes Hugging Face directories. A spec's
@@ -21,15 +22,18 @@ from torch import nn
 
 from ..fields import show
 from .core import CausalLM, KVCache, attention_mask, positions
+from .gemma import Gemma, GemmaConfig
 from .gpt import ACTIVATIONS, GPT, GPTConfig
 from .llama import Llama, LlamaConfig, rope_scaling
 
 FAMILIES: dict[str, tuple[type[CausalLM], type]] = {
     "gpt": (GPT, GPTConfig),
     "llama": (Llama, LlamaConfig),
+    "gemma": (Gemma, GemmaConfig),
 }
 
-__all__ = ["FAMILIES", "GPT", "GPTConfig", "CausalLM", "KVCache", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "CausalLM", "Gemma", "GemmaConfig", "KVCache",
+           "Llama", "LlamaConfig",
            "attention_mask", "build", "check_batch_memory", "check_size", "positions", "spec"]
 
 
@@ -65,9 +69,14 @@ def model_config(spec: dict):
     if getattr(cfg, parts) < 1 or getattr(cfg, whole) % getattr(cfg, parts):
         raise ValueError(f"model config {parts}: {getattr(cfg, parts)} does not divide "
                          f"{whole} {getattr(cfg, whole)}")
-    if family == "llama" and cfg.head_dim % 2:
+    if family != "gpt" and cfg.head_dim % 2:
         raise ValueError(f"model config head_dim: {cfg.head_dim} must be even (RoPE)")
-    if family == "llama":  # as config.json's is read, and already in the form it gives
+    if family == "gemma":
+        try:
+            cfg.check()
+        except ValueError as e:
+            raise ValueError(f"model config {e}") from None
+    if family != "gpt":  # as config.json's is read, and already in the form it gives
         try:
             scaling = rope_scaling(cfg.rope_scaling)
         except ValueError as e:

@@ -16,7 +16,7 @@ knows nothing of RL.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -91,6 +91,20 @@ class SharedPrefix:
     rope_c: tuple | None = None  # ... and of the completion tokens (B, m, hs)
 
 
+def windowed(mask, T: int, S: int, window: int, device) -> torch.Tensor:
+    """`mask` (B, 1, T, S) bool, or None / "causal" for plain causal attention, where the T
+    queries are the last T of S columns, less the keys `window` or more columns before their
+    query (a sliding-window layer's: query q sees key k where q - k < window, as Hugging
+    Face's sliding_window_overlay). Columns stand for positions: rows are left-padded, so
+    between two real tokens the distance in columns is the distance in positions."""
+    q = torch.arange(S - T, S, device=device)[:, None]  # (T, 1)
+    k = torch.arange(S, device=device)[None, :]  # (1, S)
+    band = q - k < window  # (T, S)
+    if mask is None or isinstance(mask, str):
+        return (band & (k <= q))[None, None]
+    return mask & band
+
+
 def rotate(x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
     """Rotary embedding of x (N, heads, T, hs) with cos/sin (N, T, hs): the half-split
     (rotate_half) form Llama's checkpoints are trained with."""
@@ -104,7 +118,12 @@ def rotate(x: torch.Tensor, rope: tuple | None) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal self-attention; a family supplies `project(x) -> q (..., nh, hs), k, v
     (..., nkv, hs)` and `out(y)`. Keys and values are cached with their nkv heads; queries
-    share them in groups of nh / nkv (grouped-query attention)."""
+    share them in groups of nh / nkv (grouped-query attention). A family may set `scale` (the
+    scores' factor; None: 1 / sqrt(head size)) and `window` (a sliding-window layer's: keys
+    fewer than this many positions back; None: all of them)."""
+
+    scale: float | None = None
+    window: int | None = None
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, dropout: float):
         super().__init__()
@@ -121,6 +140,8 @@ class Attention(nn.Module):
         q, k = rotate(q, rope), rotate(k, rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, nkv, S, hs)
+        if self.window is not None:
+            mask = windowed(mask, T, k.size(2), self.window, x.device)
         if mask is None:
             if cache is not None and cache.len > 0:
                 raise ValueError("incremental decoding needs an attention mask")
@@ -151,14 +172,16 @@ class Attention(nn.Module):
         if not manual:
             causal = isinstance(mask, str)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
-                                                  dropout_p=p, is_causal=causal, enable_gqa=gqa)
+                                                  dropout_p=p, is_causal=causal, enable_gqa=gqa,
+                                                  scale=self.scale)
         # each key/value head with its g query heads as one matmul, not keys and values copied
         # g times (repeat_interleave): autograd keeps k and v for the backward, at 1/g the size
         nkv, S = self.n_kv_head, k.size(2)
         g = nh // nkv
         # scale q, not the (T, S) scores, and mask in place: each pass over the scores costs
         # as much as the matmul that made them on a CPU
-        att = (q * hs**-0.5).reshape(B, nkv, g * T, hs) @ k.transpose(-2, -1)  # (B, nkv, gT, S)
+        scale = hs**-0.5 if self.scale is None else self.scale
+        att = (q * scale).reshape(B, nkv, g * T, hs) @ k.transpose(-2, -1)  # (B, nkv, gT, S)
         att = att.view(B, nkv, g, T, S).masked_fill_(~mask.unsqueeze(-3), float("-inf"))
         att = att.softmax(dim=-1).view(B, nkv, g * T, S)
         y = F.dropout(att, p) @ v if p else att @ v  # (B, nkv, gT, hs)
@@ -167,6 +190,9 @@ class Attention(nn.Module):
     def _forward_shared(self, x, s: SharedPrefix):
         """x (U*P + B*m, C): the U prompts' tokens, then the B completions' input tokens."""
         n_p = s.U * s.P
+        if self.window is not None:
+            s = replace(s, mask_p=windowed(s.mask_p, s.P, s.P, self.window, x.device),
+                        mask_c=windowed(s.mask_c, s.m, s.P + s.m, self.window, x.device))
         q, k, v = self.project(x)  # (U*P + B*m, h, hs)
         qp, kp, vp = (t[:n_p].unflatten(0, (s.U, s.P)).transpose(1, 2) for t in (q, k, v))
         qp, kp = rotate(qp, s.rope_p), rotate(kp, s.rope_p)  # (U, h, P, hs)

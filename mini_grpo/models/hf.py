@@ -34,11 +34,12 @@ from ..fields import ConfigError
 from ..jsonio import read_json_object
 from ..outputs import replace_dir
 from . import CausalLM, GPTConfig, LlamaConfig, build, check_size
+from .gemma import LAYER_TYPES, GemmaConfig
 from .llama import rope_scaling
 
 # model_type -> our family
 HF_TYPES = {"gpt2": "gpt", "llama": "llama", "qwen2": "llama", "qwen3": "llama",
-            "mistral": "llama"}
+            "mistral": "llama", "gemma3_text": "gemma"}
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few kB; refuse to parse anything huge
 SHARD_BYTES = 5 * 10**9  # save_hf: shards above this size, as save_pretrained does
 # every name save_hf writes: a marked directory (outputs.MARKER) holding anything else is not
@@ -164,10 +165,66 @@ def llama_config(config: dict) -> LlamaConfig:
         tie_word_embeddings=_bool(config, "tie_word_embeddings", False))
 
 
+def gemma_config(config: dict) -> GemmaConfig:
+    """Gemma 3's text config.json (model_type gemma3_text), in transformers 5's spelling
+    (rope_parameters per layer type) or the hub's (rope_theta, rope_local_base_freq,
+    rope_scaling; sliding_window_pattern where layer_types is absent)."""
+    act = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"config.json: hidden_activation {act!r} is not supported "
+                              f"(gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:  # Gemma 2's; Gemma 3 has QK-norm instead
+            raise CheckpointError(f"config.json: {key} is not supported (Gemma 3 has none)")
+    for key in ("attention_bias", "use_bidirectional_attention"):
+        if _bool(config, key, False):
+            raise CheckpointError(f"config.json: {key} true is not supported")
+    n_layer, n_head = _int(config, "num_hidden_layers"), _int(config, "num_attention_heads")
+    n_kv = _int(config, "num_key_value_heads", n_head)
+    if n_head % n_kv:
+        raise CheckpointError(f"config.json: num_attention_heads {n_head} is not a multiple "
+                              f"of num_key_value_heads {n_kv}")
+    types = config.get("layer_types")
+    if types is None:
+        every = _int(config, "sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(n_layer)]
+    if not isinstance(types, list) or len(types) != n_layer or \
+            not all(t in LAYER_TYPES for t in types):
+        raise CheckpointError(f"config.json: layer_types must name each of the {n_layer} "
+                              f"layers {' or '.join(LAYER_TYPES)}")
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & set(LAYER_TYPES):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise CheckpointError("config.json: rope_parameters' entries must be objects")
+        theta, scaling = _rope({"rope_parameters": full})
+        local_theta, local_scaling = _rope({"rope_parameters": local})
+    else:
+        theta, scaling = _rope(config)
+        local_theta = _float(config, "rope_local_base_freq", 10000.0)
+        local_scaling = {}
+    if local_scaling:
+        raise CheckpointError("config.json: a scaled RoPE on the sliding layers is not "
+                              "supported")
+    head_dim = _int(config, "head_dim", _int(config, "hidden_size") // n_head)
+    if head_dim % 2:
+        raise CheckpointError(f"config.json: head_dim {head_dim} must be even (RoPE)")
+    return GemmaConfig(
+        vocab_size=_int(config, "vocab_size"), block_size=_int(config, "max_position_embeddings"),
+        n_layer=n_layer, n_head=n_head, n_kv_head=n_kv, n_embd=_int(config, "hidden_size"),
+        head_dim=head_dim, n_inner=_int(config, "intermediate_size"), layer_types=list(types),
+        sliding_window=_int(config, "sliding_window", 4096),
+        query_pre_attn_scalar=_float(config, "query_pre_attn_scalar", float(head_dim)),
+        rms_norm_eps=_float(config, "rms_norm_eps", 1e-6, hi=1), rope_theta=theta,
+        rope_scaling=scaling, rope_local_theta=local_theta,
+        tie_word_embeddings=_bool(config, "tie_word_embeddings", True))
+
+
 def hf_spec(config: dict) -> dict:
     """Our model spec (models.spec) for a checked config.json."""
     family = HF_TYPES[config["model_type"]]
-    cfg = gpt2_config(config) if family == "gpt" else llama_config(config)
+    cfg = {"gpt": gpt2_config, "llama": llama_config, "gemma": gemma_config}[family](config)
     return {"family": family, "config": asdict(cfg)}
 
 
@@ -332,6 +389,8 @@ def _new_config(model: CausalLM) -> dict:
                 "layer_norm_epsilon": c.layer_norm_epsilon,
                 "tie_word_embeddings": c.tie_word_embeddings,
                 "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout}
+    if model.family == "gemma":
+        return _gemma_config(c)
     kind = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.o_bias else "llama"
     # what each model_type can say: llama/qwen3 one attention_bias for q, k, v and o, qwen2
     # q/k/v bias without o, neither qwen an MLP bias
@@ -347,6 +406,23 @@ def _new_config(model: CausalLM) -> dict:
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
             "rope_scaling": c.rope_scaling or None, "rope_parameters": rope,
             "attention_bias": c.qkv_bias and kind != "qwen2", "mlp_bias": c.mlp_bias,
+            "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": c.dropout}
+
+
+def _gemma_config(c: GemmaConfig) -> dict:
+    full = {"rope_type": "default", "rope_theta": c.rope_theta, **c.rope_scaling}
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "vocab_size": c.vocab_size, "max_position_embeddings": c.block_size,
+            "hidden_size": c.n_embd, "intermediate_size": c.n_inner,
+            "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+            "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": c.rms_norm_eps,
+            "layer_types": list(c.layer_types), "sliding_window": c.sliding_window,
+            "query_pre_attn_scalar": int(q) if (q := c.query_pre_attn_scalar).is_integer()
+            else q,  # transformers' Gemma3TextConfig takes an int
+            "rope_parameters": {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": c.rope_local_theta}},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
             "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": c.dropout}
 
 

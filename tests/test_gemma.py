@@ -1,0 +1,199 @@
+"""Gemma 3 (text) in our Gemma class, against transformers as the oracle: a tiny random model
+saved locally with save_pretrained (nothing downloaded), with its sliding window (4) shorter
+than the sequences, so that it matters, query_pre_attn_scalar unlike head_dim, each layer
+kind with its own RoPE base, and the norm weights randomised (a fresh Gemma norm's are 0)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from test_llama import (  # noqa: E402
+    V,
+    full_logprobs,
+    full_pass,
+    hf_greedy,
+    hf_logits,
+    ragged,
+    shared_batch,
+)
+
+from mini_grpo.checkpoint import CheckpointError  # noqa: E402
+from mini_grpo.engines.native import generate  # noqa: E402
+from mini_grpo.logprobs import completion_logprobs  # noqa: E402
+from mini_grpo.models import attention_mask, build, positions, spec  # noqa: E402
+from mini_grpo.models.hf import load_hf_model, save_hf  # noqa: E402
+
+WINDOW = 4
+CONFIG = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              query_pre_attn_scalar=24, sliding_window=WINDOW,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "default",
+                                                  "rope_theta": 50000.0}},
+              max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+
+
+def make_hf(seed=0, **changes):
+    cfg = transformers.Gemma3TextConfig(**{**CONFIG, **changes})
+    torch.manual_seed(seed)
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:  # norms: (1 + w) with w ~ N(0, 0.3), not a fresh model's 0
+                torch.nn.init.normal_(p, 0.0, 0.3)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    hf = make_hf()
+    path = tmp_path_factory.mktemp("gemma3") / "hf"
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def test_logits_match_transformers_past_the_sliding_window(saved):
+    hf, path = saved
+    ours = load_hf_model(path).eval()
+    assert ours.family == "gemma" and ours.lm_head.weight is ours.embed_tokens.weight
+    assert [b.self_attn.window for b in ours.layers] == [WINDOW, None, WINDOW]
+    idx, valid = ragged()  # rows of 12, 9 and 5 real tokens: longer than the window
+    with torch.no_grad():
+        want = hf_logits(hf, idx, valid)
+        got = full_pass(ours, idx, valid)
+    assert want[valid].std() > 0.3
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
+    with torch.no_grad():  # unpadded, no mask
+        torch.testing.assert_close(ours(idx[:1]), hf(idx[:1]).logits, rtol=0, atol=1e-5)
+    # the window, the scalar and the local RoPE base each change the logits: none is inert
+    for change in (dict(sliding_window=64), dict(query_pre_attn_scalar=16)):
+        other = make_hf(**change)
+        with torch.no_grad():
+            assert (hf_logits(other, idx, valid) - want)[valid].abs().max() > 1e-3, change
+
+
+def test_kv_cache_and_shared_prompt_passes_equal_the_full_pass(saved):
+    hf, path = saved
+    ours = load_hf_model(path).eval()
+    idx, valid = ragged()
+    B, T = idx.shape
+    pos = positions(valid)
+    with torch.no_grad():
+        full = full_pass(ours, idx, valid)
+        cache = ours.new_cache(B, T)
+        steps = [ours(idx[:, :3], pos[:, :3], attention_mask(valid[:, :3], 3), cache)]
+        for t in range(3, T):
+            steps.append(ours(idx[:, t:t + 1], pos[:, t:t + 1],
+                              attention_mask(valid[:, :t + 1], 1), cache))
+    torch.testing.assert_close(torch.cat(steps, 1)[valid], full[valid], rtol=0, atol=1e-5)
+    # the shared-prompt pass (prompts 6 and 3, completions 7: past the window), gradients too
+    batch = shared_batch()
+    pids, pmask, index, comp, cmask = batch
+    w = torch.randn(cmask.shape, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for shared in (True, False):
+        ours.zero_grad(set_to_none=True)
+        if shared:
+            lp = completion_logprobs(ours, pids, pmask, comp, cmask, prompt_index=index)
+        else:
+            lp = full_logprobs(lambda s, v: full_pass(ours, s, v), *batch)
+        (lp * w).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}))
+    (lp_s, g_s), (lp_f, g_f) = runs
+    torch.testing.assert_close(lp_s, lp_f, rtol=0, atol=1e-5)
+    for n in g_s:
+        assert g_s[n].abs().max() > 0, n
+        torch.testing.assert_close(g_s[n], g_f[n], rtol=0, atol=1e-5, msg=n)
+    with torch.no_grad():
+        want = full_logprobs(lambda s, v: hf_logits(hf, s, v), *batch)
+    torch.testing.assert_close(lp_s, want, rtol=0, atol=1e-5)
+
+
+def test_greedy_generation_equals_transformers_past_the_window(saved):
+    hf, path = saved
+    hf.generation_config.eos_token_id = None
+    ours = load_hf_model(path).eval()
+    a = [5, 17, 42, 8, 9, 23]
+    for prompts in ([a], [a, [77], a, [31, 4, 60]]):
+        for use_cache in (True, False):
+            r = generate(ours, prompts, 10, eos_id=-1, pad_id=0, greedy=True,
+                         use_cache=use_cache)
+            with torch.no_grad():
+                want, want_lp = hf_greedy(hf, prompts, 10)
+            assert r.completion_ids.tolist() == want.tolist(), (prompts, use_cache)
+            torch.testing.assert_close(r.logprobs, want_lp, rtol=0, atol=1e-4)
+
+
+def test_saved_back_and_built_from_its_spec_it_loads_in_transformers(saved, tmp_path):
+    hf, path = saved
+    ours = load_hf_model(path).eval()
+    idx, valid = ragged()
+    with torch.no_grad():
+        want = full_pass(ours, idx, valid)
+    for name, model in (("loaded", ours), ("rebuilt", build(spec(ours)))):
+        if name == "rebuilt":  # our own config.json, not the one it was loaded with
+            model.load_state_dict(ours.state_dict())
+            del model.hf_config
+        save_hf(model, tmp_path / name, dtype=torch.float32)
+        back = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf_logits(back, idx, valid)[valid], want[valid],
+                                       rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_hub_style_config_is_read_and_gemma_2_s_is_refused(saved, tmp_path):
+    """The hub's config.json spelling (rope_theta, rope_local_base_freq, sliding_window_pattern,
+    no layer_types) reads as transformers 5's; softcapping (Gemma 2) is refused by name."""
+    hf, path = saved
+    config = json.loads((path / "config.json").read_text())
+    hub = {k: v for k, v in config.items() if k not in ("layer_types", "rope_parameters")}
+    hub.update(rope_theta=50000.0, rope_local_base_freq=100.0, sliding_window_pattern=2)
+    d = tmp_path / "hub"
+    d.mkdir()
+    (d / "model.safetensors").symlink_to(path / "model.safetensors")
+    (d / "config.json").write_text(json.dumps(hub))
+    a, b = load_hf_model(path).cfg, load_hf_model(d).cfg
+    assert a == b
+    (d / "config.json").write_text(json.dumps({**hub, "final_logit_softcapping": 30.0}))
+    with pytest.raises(CheckpointError, match="final_logit_softcapping is not supported"):
+        load_hf_model(d)
+    (d / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention"]}))
+    with pytest.raises(CheckpointError, match="layer_types must name each of the 3 layers"):
+        load_hf_model(d)
+
+
+def test_manual_attention_and_gradient_checkpointing_change_nothing(saved):
+    ours = load_hf_model(saved[1])
+    idx, valid = ragged()
+    with torch.no_grad():
+        want = full_pass(ours.eval(), idx, valid)
+    ours.attn_impl = "manual"  # matmul-softmax with the windowed mask, the scale its own
+    with torch.no_grad():
+        torch.testing.assert_close(full_pass(ours, idx, valid)[valid], want[valid], rtol=0,
+                                   atol=1e-5)
+    ours.attn_impl, ours.gradient_checkpointing = "sdpa", True
+    ours.train()
+    got = full_pass(ours, idx, valid)
+    torch.testing.assert_close(got[valid].detach(), want[valid], rtol=0, atol=1e-5)
+    got[valid].square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in ours.parameters())
+
+
+def test_a_checkpoint_s_gemma_spec_is_checked_before_anything_is_built(saved):
+    from mini_grpo.models import model_config
+
+    good = spec(load_hf_model(saved[1]))
+    assert model_config(good).layer_types == CONFIG["layer_types"]
+    for change, needle in ((dict(layer_types=["full_attention"]), "layer_types: must name"),
+                           (dict(layer_types=["full_attention", "global", "x"]), "layer_types"),
+                           (dict(sliding_window=0), "sliding_window: must be at least 1"),
+                           (dict(head_dim=15), "head_dim: 15 must be even")):
+        bad = {**good, "config": {**good["config"], **change}}
+        with pytest.raises(ValueError, match=needle):
+            model_config(bad)
