@@ -250,7 +250,7 @@ def _casts_cached(model: CausalLM, amp: bool):
     casts frozen ones (LoRA's base and head, a frozen reference) again at every call: for
     one generation they count as trainable (no graph is built under no_grad), so each is
     cast once. A frozen fp32 LM head cast per decoded token cost a SmolLM2-135M decode step
-    about ten times what its cached cast costs (docs/results.md)."""
+    about ten times what its cached cast costs (docs/history.md)."""
     frozen = [p for p in model.parameters()
               if amp and not p.requires_grad and p.dtype == torch.float32]
     for p in frozen:
