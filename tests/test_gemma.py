@@ -197,3 +197,96 @@ def test_a_checkpoint_s_gemma_spec_is_checked_before_anything_is_built(saved):
         bad = {**good, "config": {**good["config"], **change}}
         with pytest.raises(ValueError, match=needle):
             model_config(bad)
+
+
+PIECES = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
+          *[f"<0x{b:02X}>" for b in range(256)], "\u2581", "  ", *"abcdefghij0123456789+=?",
+          "\u2581a", "ab", "\u2581ab", "12", "123", "\u25811", "\u258112", "cd", "abcd", "+1"]
+
+
+def gemma_gguf(path, hf):
+    """A Gemma 3 GGUF file, written by hand as llama.cpp's converter writes one: its norms
+    stored as (1 + w), a SentencePiece vocabulary without merges (tokenizer.ggml.model
+    llama), control and byte tokens typed, and none of the keys llama.cpp does not store
+    (the local RoPE base, the layer pattern, query_pre_attn_scalar)."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    tokens = PIECES + [f"<unused{i}>" for i in range(c.vocab_size - len(PIECES))]
+    types = [3] * 7 + [6] * 256 + [1] * (len(PIECES) - 263) + [5] * (c.vocab_size - len(PIECES))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        stem = name.removeprefix("model.").removesuffix(".weight")
+        if stem.startswith("layers."):
+            _, i, rest = stem.split(".", 2)
+            theirs = f"blk.{i}.{names[rest]}.weight"
+        else:
+            theirs = {"embed_tokens": "token_embd", "norm": "output_norm"}[stem] + ".weight"
+        a = t.detach().float() + (1.0 if name.endswith("norm.weight") else 0.0)
+        w.add_tensor(theirs, a.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gemma_3_gguf_file_loads_as_transformers_loads_it(tmp_path):
+    """Our GGUF import of Gemma 3 (names, norm shift, llama.cpp's rules for what the file does
+    not say, the SentencePiece vocabulary rebuilt as a BPE with byte fallback) gives the
+    logits and the token ids of transformers' own GGUF loader. transformers reads no
+    query_pre_attn_scalar (its default, 256) and llama.cpp takes the head size: equal here."""
+    from mini_grpo.models.gguf import load_gguf
+
+    hf = make_hf(head_dim=256, num_attention_heads=2, num_key_value_heads=1, vocab_size=320,
+                 query_pre_attn_scalar=256, num_hidden_layers=6, layer_types=None,
+                 rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "default",
+                                                     "rope_theta": 1e6}})
+    assert hf.config.layer_types[5] == "full_attention"  # the pattern: each 6th layer
+    file = gemma_gguf(tmp_path / "g.gguf", hf)
+    ours, tok = load_gguf(file)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=file.name, dtype=torch.float32).eval()
+    their_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        torch.testing.assert_close(ours.eval()(ids), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(want, hf(ids).logits, rtol=0, atol=1e-5)  # and the source
+    for text in ["ab abcd 123+12=?", "  a  b", "j\u00e9 k\n", "<start_of_turn>a"]:
+        mine = tok.encode(text)
+        assert mine == their_tok(text, add_special_tokens=False)["input_ids"], text
+        assert tok.encode(text, bos=True) == [2, *mine]  # the file's add_bos_token, as llama.cpp
+        assert tok.decode(tok.encode(text)) == their_tok.decode(
+            their_tok(text)["input_ids"], skip_special_tokens=True), text
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)

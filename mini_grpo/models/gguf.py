@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) in and out: a model of the Llama family and its tokenizer.
+"""GGUF files (llama.cpp's format) in and out: a model of the Llama family and its tokenizer;
+in alone: Gemma 3 (arch gemma3, its SentencePiece vocabulary, norms stored as 1 + w).
 
     model, tok = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")     # dequantized, fp32
     write_gguf(model, tok, "out.gguf", "q8_0")                      # llama.cpp / ollama run it
@@ -32,6 +33,8 @@ from .gguf_file import GGUFFile, TensorInfo, read_gguf
 from .gguf_vocab import gguf_tokenizer, gguf_vocab
 
 ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture -> config.json's model_type
+GEMMA3_SWA_EVERY = 6  # llama.cpp's Gemma 3: each 6th layer attends fully, the others slide
+GEMMA3_LOCAL_BASE = 10000.0  # ... with this RoPE base, which its files do not store
 OURS = "mini_grpo.export"  # a metadata key of the files write_gguf writes
 
 
@@ -68,6 +71,8 @@ def _rope_scaling(f: GGUFFile, a: str) -> dict | None:
 def hf_config(f: GGUFFile) -> dict:
     """The Hugging Face config.json the metadata describes (checked again as one by hf.py)."""
     arch = f.meta.get("general.architecture")
+    if arch == "gemma3":
+        return _gemma3_config(f)
     if arch not in ARCHS:
         raise CheckpointError(f"{f.path}: general.architecture {str(arch)[:60]!r} is not "
                               f"supported ({', '.join(ARCHS)}: the Llama family)")
@@ -107,6 +112,37 @@ def hf_config(f: GGUFFile) -> dict:
             "dtype": "float32"}
 
 
+def _gemma3_config(f: GGUFFile) -> dict:
+    """Gemma 3's config.json (gemma3_text) from llama.cpp's keys and the rules its loader
+    adds: the sliding pattern and local RoPE base above, the scores scaled by the head size
+    (27B, of 62 layers: by hidden / heads)."""
+    a = "gemma3."
+    n_embd = _meta(f, a + "embedding_length", int)
+    n_head = _meta(f, a + "attention.head_count", int, hi=1 << 12)
+    n_layer = _meta(f, a + "block_count", int, hi=1 << 12)
+    head_dim = _meta(f, a + "attention.key_length", int, n_embd // n_head, hi=1 << 12)
+    tokens = f.meta.get("tokenizer.ggml.tokens")
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "vocab_size": _meta(f, a + "vocab_size", int,
+                                len(tokens) if isinstance(tokens, list) else None),
+            "hidden_size": n_embd, "num_hidden_layers": n_layer,
+            "max_position_embeddings": _meta(f, a + "context_length", int, 2048),
+            "intermediate_size": _meta(f, a + "feed_forward_length", int),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": _meta(f, a + "attention.head_count_kv", int, n_head,
+                                         hi=1 << 12),
+            "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": _meta(f, a + "attention.layer_norm_rms_epsilon", float, 1e-6,
+                                  lo=1e-12, hi=0.5),
+            "rope_theta": _meta(f, a + "rope.freq_base", float, 1e6, hi=1e12),
+            "rope_scaling": _rope_scaling(f, a), "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+            "sliding_window": _meta(f, a + "attention.sliding_window", int, 4096),
+            "layer_types": ["full_attention" if (i + 1) % GEMMA3_SWA_EVERY == 0
+                            else "sliding_attention" for i in range(n_layer)],
+            "query_pre_attn_scalar": n_embd // n_head if n_layer == 62 else head_dim,
+            "tie_word_embeddings": "output.weight" not in f.tensors, "dtype": "float32"}
+
+
 # tensor names: theirs <-> ours (the Llama family's parameter names, hf.py)
 
 _NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
@@ -116,10 +152,14 @@ _NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _THEIRS = {v: k for k, v in _NAMES.items()} | {v: k for k, v in _TOP.items()}
+# Gemma 3's four norms a layer (ffn_norm is the one before the MLP there)
+_GEMMA3 = {**_NAMES, "post_attention_norm": "post_attention_layernorm",
+           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA3_THEIRS = {v: k for k, v in _GEMMA3.items()} | {v: k for k, v in _TOP.items()}
 _INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
-def _ours(name: str) -> str | None:
+def _ours(name: str, names: dict = _NAMES) -> str | None:
     stem, dot, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -129,17 +169,17 @@ def _ours(name: str) -> str | None:
     # a layer's index as llama.cpp writes it: ASCII digits without a leading zero, so that no
     # two names (blk.1, blk.01) are one layer's
     if len(parts) == 3 and parts[0] == "blk" and _INDEX.fullmatch(parts[1]) and \
-            parts[2] in _NAMES:
-        return f"layers.{parts[1]}.{_NAMES[parts[2]]}.{suffix}"
+            parts[2] in names:
+        return f"layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     return None
 
 
-def _theirs(name: str) -> str:
+def _theirs(name: str, theirs: dict = _THEIRS) -> str:
     stem, _, suffix = name.rpartition(".")
     if stem.startswith("layers."):
         _, i, rest = stem.split(".", 2)
-        return f"blk.{i}.{_THEIRS[rest]}.{suffix}"
-    return f"{_THEIRS[stem]}.{suffix}"
+        return f"blk.{i}.{theirs[rest]}.{suffix}"
+    return f"{theirs[stem]}.{suffix}"
 
 
 def _permute(w: torch.Tensor, heads: int, undo: bool) -> torch.Tensor:
@@ -185,12 +225,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = torch.float32,
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     tok = gguf_tokenizer(f)
+    gemma = spec["family"] == "gemma"
+    names, theirs = (_GEMMA3, _GEMMA3_THEIRS) if gemma else (_NAMES, _THEIRS)
     ours = {}
     for name, info in f.tensors.items():
-        mine = _ours(name)
+        mine = _ours(name, names)
         if mine is None:
-            raise CheckpointError(f"{f.path}: tensor {name[:80]} is not one of the Llama "
-                                  f"family's")
+            raise CheckpointError(f"{f.path}: tensor {name[:80]} is not one of the "
+                                  f"{'Gemma 3' if gemma else 'Llama family'}'s")
         ours[mine] = info
     with torch.device("meta"):
         model = build(spec)
@@ -208,10 +250,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = torch.float32,
     state = {}
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for name, info in ours.items():
-            t = _dequantize(buf, info, f"{f.path}: tensor {_theirs(name)}")
+            t = _dequantize(buf, info, f"{f.path}: tensor {_theirs(name, theirs)}")
             kind = name.split(".")[-2]
             if config["model_type"] == "llama" and kind in heads:
                 t = _permute(t, heads[kind], undo=True)
+            if gemma and name.endswith("norm.weight"):  # llama.cpp stores (1 + w)
+                t = t - 1.0
             state[name] = t.to(dtype) if dtype is not None else t
     model.assign(state)
     return model, tok

@@ -58,17 +58,27 @@ def _signature(pre: dict | None):
 
 def gguf_tokenizer(f):
     """The HFTokenizer that the metadata of `f` (a read_gguf GGUFFile) describes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     from ..tokenizer import HFTokenizer
 
     kind = f.meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    spm = kind == "llama" and f.meta.get("general.architecture") == "gemma3"
+    if kind != "gpt2" and not spm:
         raise CheckpointError(f"{f.path}: tokenizer.ggml.model {str(kind)[:40]!r} is not "
-                              f"supported (gpt2: byte-level BPE)")
+                              f"supported (gpt2: byte-level BPE; llama: Gemma 3's "
+                              f"SentencePiece)")
     pre = f.meta.get("tokenizer.ggml.pre", "gpt-2")
     signature = next((s for names, s in PRE_TOKENIZERS.items() if pre in names), None)
-    if signature is None:
+    if signature is None and not spm:
         raise CheckpointError(f"{f.path}: tokenizer.ggml.pre {str(pre)[:40]!r} is not "
                               f"supported ({', '.join(n for ns in PRE_TOKENIZERS for n in ns)})")
     tokens, merges = f.meta.get("tokenizer.ggml.tokens"), f.meta.get("tokenizer.ggml.merges", [])
@@ -82,15 +92,24 @@ def gguf_tokenizer(f):
     if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1
                                                for m in merges):
         raise CheckpointError(f"{f.path}: tokenizer.ggml.merges must be strings 'a b'")
+    if spm:  # a token of spaces alone is stored with spaces, looked up with "\u2581"
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens lists a token twice")
+    pairs = spm_merges(tokens) if spm else [tuple(m.split(" ")) for m in merges]
     try:
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, **_spm_model(f, tokens, spm)))
     except Exception as e:  # the library's own errors: a merge of unknown tokens
         raise CheckpointError(f"{f.path}: tokenizer.ggml.merges: {str(e)[:200]}") from None
-    tk.pre_tokenizer = _pre_tokenizer(signature)
-    tk.decoder = decoders.ByteLevel()
+    if spm:  # Gemma's: spaces as "\u2581", split after each, bytes for unknown characters
+        tk.normalizer = normalizers.Replace(" ", "\u2581")
+        tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                        decoders.ByteFallback(), decoders.Fuse()])
+    else:
+        tk.pre_tokenizer = _pre_tokenizer(signature)
+        tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, k in zip(tokens, types) if k == CONTROL])
     tk.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -125,6 +144,35 @@ def gguf_tokenizer(f):
                             "tokenizer": f"{f.path}: tokenizer.ggml"})
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+
+
+def spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, the file lists none: each token cut
+    into every pair of tokens, ordered by the token's place in the file (Gemma's scores do not
+    follow its merge order; its file order does), then by the left part's length and the
+    right's (as transformers rebuilds them: integrations/gguf's gemma_tokenizer)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        local = [(token[:k], token[k:]) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges += [(rank, len(a), len(b), a, b) for a, b in local]
+    # transformers sorts by (score, len, len) in reverse with score = -rank, stably
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]), reverse=True)
+    return [(a, b) for _, _, _, a, b in merges]
+
+
+def _spm_model(f, tokens: list[str], spm: bool) -> dict:
+    """BPE's options for Gemma's SentencePiece: byte fallback, unknown pieces fused into the
+    unknown token."""
+    if not spm:
+        return {}
+    unk = f.meta.get("tokenizer.ggml.unknown_token_id")
+    if not isinstance(unk, int) or isinstance(unk, bool) or not 0 <= unk < len(tokens):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.unknown_token_id {unk!r:.40} is not a "
+                              f"token id (0 to {len(tokens) - 1})")
+    return {"byte_fallback": True, "fuse_unk": True, "unk_token": tokens[unk]}
 
 
 def gguf_vocab(tok, vocab_size: int) -> tuple[list[str], list[int], list[str], str, bool]:
