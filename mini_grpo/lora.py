@@ -38,8 +38,8 @@ from .jsonio import read_json_object
 from .models.hf import _theirs
 from .outputs import replace_dir
 
-DEFAULT_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                             "down_proj"],
+_LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_TARGETS = {"llama": _LLAMA_TARGETS, "gemma": _LLAMA_TARGETS,
                    "gpt": ["c_attn", "c_proj", "c_fc"]}
 # every name save_adapter writes: a marked directory holding anything else is not replaced
 ADAPTER_FILES = re.compile(r"\.mini-grpo-export|adapter_config\.json|adapter_model\.safetensors")

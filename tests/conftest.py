@@ -147,11 +147,16 @@ def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0, heads: int = 4,
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                                   pad_token="<|endoftext|>")
     hf_tok.chat_template = CHATML
+    # Gemma 3: a small head, a sliding window shorter than a prompt, one layer of each kind
+    gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention"])
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=positions, tie_word_embeddings=model_type == "qwen2",
-        eos_token_id=tk.token_to_id("<|im_end|>"))
+        max_position_embeddings=positions,
+        tie_word_embeddings=model_type in ("qwen2", "gemma3_text"),
+        eos_token_id=tk.token_to_id("<|im_end|>"),
+        **(gemma if model_type == "gemma3_text" else {}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     out = Path(path)

@@ -98,7 +98,7 @@ def test_a_run_from_a_hugging_face_directory_resumes(lm, trained):
     assert load_checkpoint(list_checkpoints(trained / "checkpoints")[-1])["step"] == 3
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gpt2", "gemma3_text"])
 def test_sample_a_hugging_face_directory_as_json_equals_transformers_greedy(tmp_path, family):
     lm = tiny_lm_dir(tmp_path / family, family)
     # fp32 on both sides: a GPU samples under bf16 autocast by default, and on a random
