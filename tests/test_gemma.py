@@ -259,7 +259,8 @@ def gemma_gguf(path, hf):
     return path
 
 
-def test_a_gemma_3_gguf_file_loads_as_transformers_loads_it(tmp_path):
+def test_a_gemma_3_gguf_file_loads_as_transformers_loads_it_and_goes_out_again(tmp_path,
+                                                                               saved):
     """Our GGUF import of Gemma 3 (names, norm shift, llama.cpp's rules for what the file does
     not say, the SentencePiece vocabulary rebuilt as a BPE with byte fallback) gives the
     logits and the token ids of transformers' own GGUF loader. transformers reads no
@@ -290,6 +291,23 @@ def test_a_gemma_3_gguf_file_loads_as_transformers_loads_it(tmp_path):
         assert tok.decode(tok.encode(text)) == their_tok.decode(
             their_tok(text)["input_ids"], skip_special_tokens=True), text
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
+    saved_dir = saved[1]  # a window pattern and a scalar llama.cpp's files cannot say
+    # and out again: our export reads back, in transformers and here, as the file it came from
+    from mini_grpo.models.gguf import write_gguf
+
+    out = write_gguf(ours, tok, tmp_path / "out" / "ours.gguf", "f32")
+    again, tok2 = load_gguf(out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        out.parent, gguf_file=out.name, dtype=torch.float32).eval()
+    back_tok = transformers.AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(again.eval()(ids), want, rtol=0, atol=1e-5)
+    for text in ["ab abcd 123+12=?", "  a  b", "j\u00e9 k\n", "<start_of_turn>a"]:
+        assert tok2.encode(text, bos=True) == tok.encode(text, bos=True), text
+        assert back_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
+    with pytest.raises(ValueError, match="llama.cpp's Gemma 3 has each 6th layer full"):
+        write_gguf(load_hf_model(saved_dir), tok, tmp_path / "x.gguf")
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format) in and out: a model of the Llama family and its tokenizer;
-in alone: Gemma 3 (arch gemma3, its SentencePiece vocabulary, norms stored as 1 + w).
+"""GGUF files (llama.cpp's format) in and out: a model of the Llama family or Gemma 3 (arch
+gemma3: its SentencePiece vocabulary, norms stored as 1 + w) and its tokenizer.
 
     model, tok = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")     # dequantized, fp32
     write_gguf(model, tok, "out.gguf", "q8_0")                      # llama.cpp / ollama run it
@@ -30,7 +30,7 @@ from ..checkpoint import CheckpointError, check_shapes
 from ..outputs import write_atomic
 from . import CausalLM, build, check_size
 from .gguf_file import GGUFFile, TensorInfo, read_gguf
-from .gguf_vocab import gguf_tokenizer, gguf_vocab
+from .gguf_vocab import gguf_tokenizer, gguf_vocab, spm_vocab
 
 ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture -> config.json's model_type
 GEMMA3_SWA_EVERY = 6  # llama.cpp's Gemma 3: each 6th layer attends fully, the others slide
@@ -277,13 +277,17 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
 
     if qtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {qtype!r}")
-    if model.family != "llama" or not hasattr(tok, "tk"):
-        raise ValueError("GGUF export: the Llama family with a Hugging Face tokenizer only")
-    c, arch = model.cfg, export_config(model, torch.float32)["model_type"]
-    if arch not in ARCHS or c.rope_scaling.get("rope_type", "default") not in ("default",
-                                                                               "linear"):
+    if model.family not in ("llama", "gemma") or not hasattr(tok, "tk"):
+        raise ValueError("GGUF export: the Llama family or Gemma 3 with a Hugging Face "
+                         "tokenizer only")
+    c, gemma = model.cfg, model.family == "gemma"
+    arch = "gemma3" if gemma else export_config(model, torch.float32)["model_type"]
+    if (arch not in ARCHS and not gemma) or \
+            c.rope_scaling.get("rope_type", "default") not in ("default", "linear"):
         raise ValueError(f"GGUF export: {arch} with rope scaling {c.rope_scaling} is not "
                          f"supported")
+    if gemma:
+        _check_gemma3(c)
     path = Path(path)
     Q = gguf.GGMLQuantizationType
     want = Q[qtype.upper()]
@@ -293,7 +297,12 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
     w.add_type("model")
     w.add_string(OURS, "1")  # is_our_gguf: a later export may replace this file
     _add_hparams(w, c, ftype)
-    _add_tokenizer(w, tok, c.vocab_size)
+    if gemma:
+        w.add_sliding_window(c.sliding_window)
+        _add_spm_tokenizer(w, tok, c.vocab_size)
+    else:
+        _add_tokenizer(w, tok, c.vocab_size)
+    theirs = _GEMMA3_THEIRS if gemma else _THEIRS
     heads = {"q_proj": c.n_head, "k_proj": c.n_kv_head}
     weights = model.state_dict() if state is None else state
     for name, t in weights.items():
@@ -302,14 +311,16 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         t = t.detach().to("cpu", torch.float32)
         if arch == "llama" and name.split(".")[-2] in heads:
             t = _permute(t, heads[name.split(".")[-2]], undo=False)
+        if gemma and name.endswith("norm.weight"):  # llama.cpp computes x * w: stores 1 + w
+            t = t + 1.0
         a = t.contiguous().numpy()
         kind = Q.F32 if a.ndim == 1 else want
         if a.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:  # rows of whole blocks only
             kind = Q.F16
         if kind in (Q.F16, Q.F32):
-            w.add_tensor(_theirs(name), a.astype(np.float16) if kind == Q.F16 else a)
+            w.add_tensor(_theirs(name, theirs), a.astype(np.float16) if kind == Q.F16 else a)
         else:
-            w.add_tensor(_theirs(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
+            w.add_tensor(_theirs(name, theirs), gguf.quants.quantize(a, kind), raw_dtype=kind)
 
     def fill(tmp: Path) -> None:
         try:
@@ -323,6 +334,20 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
         w.close()
 
     return write_atomic(path, fill)
+
+
+def _check_gemma3(c) -> None:
+    """ValueError unless llama.cpp's Gemma 3 rules (what its files leave out: _gemma3_config)
+    give this config back."""
+    pattern = ["full_attention" if (i + 1) % GEMMA3_SWA_EVERY == 0 else "sliding_attention"
+               for i in range(c.n_layer)]
+    scalar = c.n_embd // c.n_head if c.n_layer == 62 else c.head_dim
+    if list(c.layer_types) != pattern or c.rope_local_theta != GEMMA3_LOCAL_BASE or \
+            c.query_pre_attn_scalar != scalar:
+        raise ValueError(f"GGUF export: llama.cpp's Gemma 3 has each {GEMMA3_SWA_EVERY}th "
+                         f"layer full, a local RoPE base of {GEMMA3_LOCAL_BASE:g} and "
+                         f"query_pre_attn_scalar {scalar}: this model differs, and its file "
+                         f"would not say so")
 
 
 def _add_hparams(w, c, ftype) -> None:
@@ -361,6 +386,25 @@ def _add_tokenizer(w, tok, vocab_size: int) -> None:
     w.add_pad_token_id(tok.pad_id)
     if len(tok.eos_ids) > 1:
         w.add_eot_token_id(tok.eos_ids[1])
+    w.add_add_bos_token(add_bos)
+    if tok.chat_template is not None:
+        w.add_chat_template(tok.chat_template)
+
+
+def _add_spm_tokenizer(w, tok, vocab_size: int) -> None:
+    """Gemma's tokenizer (a BPE with byte fallback over SentencePiece pieces) as llama.cpp's
+    SentencePiece keys: the pieces by id, each scored by its place (the merge order
+    gguf_vocab.spm_merges rebuilds), byte pieces typed as bytes, special ones as control."""
+    tokens, types, add_bos = spm_vocab(tok, vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types(types)
+    for add, i in ((w.add_bos_token_id, tok.bos_id), (w.add_eos_token_id, tok.eos_id),
+                   (w.add_pad_token_id, tok.pad_id),
+                   (w.add_unk_token_id, tok._id(tok.specials.get("unk_token")))):
+        if i is not None:
+            add(i)
     w.add_add_bos_token(add_bos)
     if tok.chat_template is not None:
         w.add_chat_template(tok.chat_template)

@@ -21,7 +21,7 @@ PRE_TOKENIZERS = {
         (("Split", _LLAMA3), ("ByteLevel", False)),
     ("qwen2", "deepseek-r1-qwen"): (("Split", _QWEN2), ("ByteLevel", False)),
 }
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 3, 4, 5, 6
 
 
 def _pre_tokenizer(signature):
@@ -199,3 +199,25 @@ def gguf_vocab(tok, vocab_size: int) -> tuple[list[str], list[int], list[str], s
     add_bos = len(tok.tk.encode("a", add_special_tokens=True).ids) > \
         len(tok.tk.encode("a", add_special_tokens=False).ids)
     return tokens, types, merges, pre, add_bos
+
+
+def spm_vocab(tok, vocab_size: int) -> tuple[list[str], list[int], bool]:
+    """(pieces, token types, add_bos) of a Gemma-style HFTokenizer (a BPE with byte fallback),
+    for the writer; ValueError when it is not one."""
+    spec = json.loads(tok.tk.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        raise ValueError("GGUF export of Gemma 3: its tokenizer must be a BPE with byte "
+                         "fallback (Gemma's own)")
+    tokens, types = [f"<unused{i}>" for i in range(vocab_size)], [UNUSED] * vocab_size
+    for t, i in model["vocab"].items():
+        if i < vocab_size:
+            byte = len(t) == 6 and t.startswith("<0x") and t.endswith(">")
+            tokens[i], types[i] = t, BYTE if byte else NORMAL
+    for added in spec.get("added_tokens") or []:
+        if added["id"] < vocab_size:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    add_bos = len(tok.tk.encode("a", add_special_tokens=True).ids) > \
+        len(tok.tk.encode("a", add_special_tokens=False).ids)
+    return tokens, types, add_bos
