@@ -522,6 +522,7 @@ TABLES = {"lm_job": lm_job, "lm_job_runs": lm_job_runs, "calculator": calculator
           "calculator_fresh": calculator_fresh,
           "rl_screen": screen("rl_screen_zen4.json"),  # issue 70: RL after SFT
           "rl_alone_screen": screen("rl_alone_screen_zen4.json"),  # and from the base model
+          "rl_memorize": screen("rl_memorize_zen4.json"),  # a small pool, seen again
           "lm_job_cost": lm_job_cost, "calculator_cost": calculator_cost,
           "step_cost": step_cost, "step_kinds": step_kinds, "turns_overhead": turns_overhead,
           "trl_step": trl_step, "trl_tools": trl_tools,
