@@ -39,8 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--new", type=int, default=64)
     a = ap.parse_args(argv)
-    if a.json:
-        claim(a.json)
+    save = claim(a.json, __file__)  # refuses a file this script did not write, before work
     import transformers
 
     from mini_grpo.engines.native import generate
@@ -91,8 +90,7 @@ def main(argv=None) -> int:
               "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                     / 2**20, 2)}
     print(json.dumps(result, indent=1))
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    save(result, indent=1)
     return 0
 
 

@@ -321,6 +321,8 @@ def lm_job_choices() -> str:
          named(zen4, "default_sft60_grpo_30min"), "greedy_after", "sampled_after", "peak_rss_gb"),
         ("SFT alone, 60 steps (`--mode=sft`)", sft60, "greedy_correct", "sampled_correct",
          "peak_rss_gib"),
+        ("SFT alone, 220 steps: the default's 30 minutes (`--mode=sft --sft_steps=220`)",
+         named(zen4, "sft_alone_220"), "greedy_after", "sampled_after", "peak_rss_gb"),
         ("SFT alone, 30 steps", sft30, "greedy_correct", "sampled_correct", "peak_rss_gib"),
         ("GRPO alone, 30 min, 48-token cap + `numeric_concise`",
          named(zen4, "grpo_concise_30min"), "greedy_after", "sampled_after", "peak_rss_gb"),
