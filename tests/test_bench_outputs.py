@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 SCRIPTS = [
     ("calculator_fresh_eval", ["--json"]),
     ("calculator_table", ["t", "n", "bt", "b", "--out"]),
+    ("gemma3_parity", ["--json"]),
     ("gguf_parity", ["--out"]),
     ("kill_resume", ["--json"]),
     ("lm_job_cost", ["--out_dir", "runs/none", "--json"]),
