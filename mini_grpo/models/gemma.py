@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import Attention, CausalLM
-from .llama import MLP, SelfAttention, rope_frequencies
+from .llama import MLP, Llama, SelfAttention, rope_frequencies
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -136,11 +136,13 @@ class GemmaBlock(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma(CausalLM):
+class Gemma(Llama):
+    """Llama's model with Gemma's blocks, norms, embedding scale and two RoPEs; the rest
+    (blocks, norm_f, cache_heads) is Llama's."""
     family = "gemma"
 
     def __init__(self, cfg: GemmaConfig):
-        super().__init__()
+        CausalLM.__init__(self)  # Llama's own __init__ builds Llama's blocks
         cfg.check()
         self.cfg = cfg
         self.gradient_checkpointing = False
@@ -154,14 +156,6 @@ class Gemma(CausalLM):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
         self._inv_freq: tuple | None = None  # (sliding, full); not buffers: never meta or saved
-
-    @property
-    def blocks(self):
-        return self.layers
-
-    @property
-    def norm_f(self):
-        return self.norm
 
     def embed(self, idx, pos):
         x = self.lookup(self.embed_tokens, idx)
@@ -179,6 +173,3 @@ class Gemma(CausalLM):
             emb = torch.cat((freqs, freqs), dim=-1)
             out.append((emb.cos(), emb.sin()))
         return tuple(out)
-
-    def cache_heads(self):
-        return self.cfg.n_kv_head, self.cfg.head_dim
