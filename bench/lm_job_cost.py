@@ -99,6 +99,7 @@ def measure(out_dir: str, config: str = "smollm2_numeric", extra: list[str] = ()
               "grpo_median_s": {k: median(f"time/{k}")
                                 for k in ("step", "generate", "reward", "policy", "optimizer")},
               "grpo_rss_gb": [round(r["mem/rss_gb"], 2) for r in steps],
+              "grpo_reward": [round(r["reward/mean"], 3) for r in steps],  # the reward curve
               "eval": ev, **env}
 
 

@@ -246,7 +246,8 @@ TRL_STEPS = ("trl_step_after_sft_zen4.json", "trl_step_after_sft_norm_product_ze
              "trl_step_after_sft_xeon.json", "trl_step_after_sft_cast_once_xeon.json",
              "trl_step_after_sft_once512_xeon.json", "trl_step_after_sft_skipzero_xeon.json",
              "trl_step_after_sft_skipzero_xeon_run2.json", "trl_step_after_sft_head_zen3.json",
-             "trl_step_zen4.json", "trl_step_xeon.json", "trl_step_xeon_run2.json")
+             "trl_step_zen4.json", "trl_step_xeon.json", "trl_step_xeon_run2.json",
+             "trl_step_gemma3_zen4.json")
 
 
 def trl_seconds(d: dict, key: str) -> str:
@@ -344,14 +345,17 @@ def sample_vs_hf() -> str:
     """bench/sample_vs_hf.py: `mini-grpo sample` against transformers' generate, whole
     processes, medians."""
     rows = []
-    for file in ("sample_vs_hf_zen4.json", "sample_vs_hf_xeon.json"):
+    for file in ("sample_vs_hf_zen4.json", "sample_vs_hf_xeon.json",
+                 "sample_vs_hf_gemma3_zen4.json"):
         d = load(file)
         w, c = d["median_wall_s"], d.get("median_cpu_s")
-        rows.append([file, f"`{d['cpu']}`", d["work"], f"{w['mini_grpo_sample']:.2f}",
+        model = d.get("model", "SmolLM2-135M's shape, random weights")  # the files before it
+        rows.append([file, f"`{d['cpu']}`", model, d["work"], f"{w['mini_grpo_sample']:.2f}",
                      f"{w['mini_grpo_sample_fp32']:.2f}", f"{w['hf_generate']:.2f}",
                      f"**{d['ratio_ours_to_hf']:.2f}x**", f"{d['ratio_ours_fp32_to_hf']:.2f}x",
                      "-" if c is None else f"{d['cpu_ratio_ours_to_hf']:.2f}x"])
-    return table(["file", "CPU", "work", "ours (the probe's precision), s", "ours fp32, s",
+    return table(["file", "CPU", "model", "work", "ours (the probe's precision), s",
+                  "ours fp32, s",
                   "transformers, s", "ours / transformers", "fp32 / transformers",
                   "CPU time: ours / transformers"], rows, right=6)
 

@@ -12,7 +12,9 @@ timed from process start to exit (imports, model load, tokenizer, sampling), alt
 `--reps` times each: ours as a user runs it (the sampling precision its probe picked, from the
 cache a first, untimed-for- the-ratio run filled) and in fp32 (`--generation_amp=off`),
 transformers' in fp32 (its default). The medians of wall and CPU seconds and their ratios are
-printed and written as JSON."""
+printed and written as JSON. `--model_dir` may name a real model instead (`models/gemma3-270m`):
+a base model without a chat template gets the prompt as plain text after its `<bos>`, in
+both."""
 
 from __future__ import annotations
 
@@ -41,8 +43,12 @@ d, prompt, n, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
 tok = transformers.AutoTokenizer.from_pretrained(d)
 model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
-ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                              return_tensors="pt", return_dict=True)["input_ids"]
+if tok.chat_template:
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+else:  # a base model: its <bos> and the text, as `mini-grpo sample` gives it
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
 with torch.no_grad():
     out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                          max_new_tokens=new, num_return_sequences=n,
@@ -96,7 +102,8 @@ def main() -> None:
                       flush=True)
     med = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
-    result = {"work": f"1 chat prompt x {N} completions x {NEW} new tokens, 2 threads",
+    result = {"work": f"1 prompt x {N} completions x {NEW} new tokens, 2 threads",
+              "model": d.name,
               "cpu": cpu_name(), "first_run_with_probe_s": first, "runs": runs,
               "median_wall_s": med, "median_cpu_s": cpu,
               "ratio_ours_to_hf": med["mini_grpo_sample"] / med["hf_generate"],

@@ -6,18 +6,18 @@ Needs `make model` (models/smollm2-135m-instruct: SmolLM2-135M-Instruct, real we
 `pip install trl==1.16.*` (not a dependency of mini-grpo; it brings datasets and pandas).
 
 The work, the LM job's GRPO stage (configs/smollm2_numeric.yaml, read at run time): 8
-numeric-task training prompts through the model's chat template, 8 completions each (64 rows) of
-at most max_new_tokens (48) sampled at the config's temperature (0.7), rewards numeric_format
-(0.1) + numeric_answer (0.9), then one policy pass over the 64 rows in micro-batches of 16 (TRL:
-per_device_train_batch_size 16, gradient_accumulation_steps 4, which makes its generation batch
-64; ours: the rows whose loss has a gradient, in micro-batches of at most 512 positions - with
-beta 0 the rows of a group whose rewards are all equal have advantage 0 and add exactly nothing,
-so no pass carries them, where TRL's passes carry every row), the DAPO loss with the config's
-clip (0.2/0.28), beta 0 (no reference model), AdamW at the config's lr. Both on 2 threads, one
-process each. `--model` is the weights both start from: the base model by default; the job's
-GRPO stage starts from its SFT stage's weights, which a run exports as hf/ (`--model runs/<sft
-run>/hf`: the answers are then the short worked ones the job's GRPO samples, not the base
-model's long ones).
+numeric-task training prompts through the model's chat template (a base model's, without one, as
+plain text), 8 completions each (64 rows) of at most max_new_tokens (48) sampled at the config's
+temperature (0.7), rewards numeric_format (0.1) + numeric_answer (0.9), then one policy pass
+over the 64 rows in micro-batches of 16 (TRL: per_device_train_batch_size 16,
+gradient_accumulation_steps 4, which makes its generation batch 64; ours: the rows whose loss
+has a gradient, in micro-batches of at most 512 positions - with beta 0 the rows of a group
+whose rewards are all equal have advantage 0 and add exactly nothing, so no pass carries them,
+where TRL's passes carry every row), the DAPO loss with the config's clip (0.2/0.28), beta 0 (no
+reference model), AdamW at the config's lr. Both on 2 threads, one process each. `--model` is
+the weights both start from: the base model by default; the job's GRPO stage starts from its SFT
+stage's weights, which a run exports as hf/ (`--model runs/<sft run>/hf`: the answers are then
+the short worked ones the job's GRPO samples, not the base model's long ones).
 
 Ours runs as `benchmark.py --config smollm2_numeric --only step --init_from=<model>` (the
 trainer's own step, its precision from the dtype probe). TRL runs twice, in fp32 and with
@@ -70,8 +70,13 @@ def run_trl(model: Path, precision: str, warmup: int, steps: int) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     task = build(OurConfig(task="numeric", num_eval=500), Args())
-    rows = [{"prompt": [{"role": "user", "content": ex.prompt}], "target": ex.target}
-            for ex in task.train[:2000]]
+    from transformers import AutoTokenizer
+
+    # a chat model gets the prompt as a user's turn; a base model (no chat template: Gemma 3
+    # 270M) the text as written, as ours gives it
+    chat = AutoTokenizer.from_pretrained(model).chat_template is not None
+    rows = [{"prompt": [{"role": "user", "content": ex.prompt}] if chat else ex.prompt,
+             "target": ex.target} for ex in task.train[:2000]]
 
     def text(c):  # a conversational completion: [{"role": "assistant", "content": ...}]
         return c[0]["content"] if isinstance(c, list) else c
