@@ -13,17 +13,15 @@ pytest.importorskip("safetensors")
 
 from test_llama import (  # noqa: E402
     V,
-    full_logprobs,
+    check_shared_pass,
     full_pass,
     hf_greedy,
     hf_logits,
     ragged,
-    shared_batch,
 )
 
 from mini_grpo.checkpoint import CheckpointError  # noqa: E402
 from mini_grpo.engines.native import generate  # noqa: E402
-from mini_grpo.logprobs import completion_logprobs  # noqa: E402
 from mini_grpo.models import attention_mask, build, positions, spec  # noqa: E402
 from mini_grpo.models.hf import load_hf_model, save_hf  # noqa: E402
 
@@ -92,27 +90,9 @@ def test_kv_cache_and_shared_prompt_passes_equal_the_full_pass(saved):
             steps.append(ours(idx[:, t:t + 1], pos[:, t:t + 1],
                               attention_mask(valid[:, :t + 1], 1), cache))
     torch.testing.assert_close(torch.cat(steps, 1)[valid], full[valid], rtol=0, atol=1e-5)
-    # the shared-prompt pass (prompts 6 and 3, completions 7: past the window), gradients too
-    batch = shared_batch()
-    pids, pmask, index, comp, cmask = batch
-    w = torch.randn(cmask.shape, generator=torch.Generator().manual_seed(3))
-    runs = []
-    for shared in (True, False):
-        ours.zero_grad(set_to_none=True)
-        if shared:
-            lp = completion_logprobs(ours, pids, pmask, comp, cmask, prompt_index=index)
-        else:
-            lp = full_logprobs(lambda s, v: full_pass(ours, s, v), *batch)
-        (lp * w).sum().backward()
-        runs.append((lp.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}))
-    (lp_s, g_s), (lp_f, g_f) = runs
-    torch.testing.assert_close(lp_s, lp_f, rtol=0, atol=1e-5)
-    for n in g_s:
-        assert g_s[n].abs().max() > 0, n
-        torch.testing.assert_close(g_s[n], g_f[n], rtol=0, atol=1e-5, msg=n)
-    with torch.no_grad():
-        want = full_logprobs(lambda s, v: hf_logits(hf, s, v), *batch)
-    torch.testing.assert_close(lp_s, want, rtol=0, atol=1e-5)
+    # the shared-prompt pass (prompts 6 and 3, completions 7: past the window), gradients
+    # too, and transformers' pass
+    check_shared_pass(ours, hf, hf_atol=1e-5)
 
 
 def test_greedy_generation_equals_transformers_past_the_window(saved):
@@ -120,7 +100,10 @@ def test_greedy_generation_equals_transformers_past_the_window(saved):
     hf.generation_config.eos_token_id = None
     ours = load_hf_model(path).eval()
     a = [5, 17, 42, 8, 9, 23]
-    for prompts in ([a], [a, [77], a, [31, 4, 60]]):
+    head = list(range(3, 21))  # 18 tokens every prompt starts with: the sampler's shared
+    # prefix (native.SHARED_PREFIX_MIN), whose layout pads the rows after it, mid-row
+    shared = [head + a, head + [77], head + [31, 4, 60]]
+    for prompts in ([a], [a, [77], a, [31, 4, 60]], shared):
         for use_cache in (True, False):
             r = generate(ours, prompts, 10, eos_id=-1, pad_id=0, greedy=True,
                          use_cache=use_cache)

@@ -5,7 +5,8 @@
     engine = NativeEngine(model, tok); engine.generate(prompts, Sampling(16), generator)
 
 Prompts of different lengths are left-padded (after the tokens all of them share, if there
-are SHARED_PREFIX_MIN of them: a system prompt, a tool list, computed once); every real token
+are SHARED_PREFIX_MIN of them: a system prompt, a tool list, computed once; not for a model
+with a sliding window, whose mask counts columns as positions); every real token
 gets the absolute position it would have alone, both while sampling and in
 `logprobs.completion_logprobs`, so the log-probs recorded at sampling time equal those of
 the training forward pass (up to float rounding).
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from .. import fsdp
 from ..models import CausalLM, attention_mask, positions
+from ..models.core import Attention
 from ..models.packed import packed
 from ..tokenizer import Tokenizer
 from .base import Rollout, Sampling, pad_left
@@ -113,7 +115,7 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int,
     TurnState's rules say. When no turn is answered, the rollout equals the one without
     `turns` bit for bit."""
     device = model.lm_head.weight.device
-    shared = _shared_prefix(prompts) if use_cache else 0
+    shared = _shared_prefix(prompts) if use_cache and not _windowed(model) else 0
     ids, pmask = _layout(prompts, pad_id, device, shared)  # (B, P)
     B, P = ids.shape
     N = max_new_tokens
@@ -263,6 +265,13 @@ def _casts_cached(model: CausalLM, amp: bool):
 
 
 SHARED_PREFIX_MIN = 16  # tokens all prompts must share before they are computed once
+
+
+def _windowed(model: CausalLM) -> bool:
+    """Whether a layer attends to a sliding window (Gemma 3's): its mask counts columns as
+    positions (core.windowed), which holds for left padding alone, so such a model's prompts
+    never get the shared-prefix layout (padding between real tokens)."""
+    return any(isinstance(m, Attention) and m.window is not None for m in model.modules())
 
 
 def _shared_prefix(prompts: list[list[int]]) -> int:

@@ -96,7 +96,9 @@ def windowed(mask, T: int, S: int, window: int, device) -> torch.Tensor:
     queries are the last T of S columns, less the keys `window` or more columns before their
     query (a sliding-window layer's: query q sees key k where q - k < window, as Hugging
     Face's sliding_window_overlay). Columns stand for positions: rows are left-padded, so
-    between two real tokens the distance in columns is the distance in positions."""
+    between two real tokens the distance in columns is the distance in positions (the
+    sampler's shared-prefix layout, which pads mid-row, is never used with a window:
+    engines/native._windowed)."""
     q = torch.arange(S - T, S, device=device)[:, None]  # (T, 1)
     k = torch.arange(S, device=device)[None, :]  # (1, S)
     band = q - k < window  # (T, S)
