@@ -39,7 +39,8 @@ from ..checkpoint import CheckpointError
 from ..fields import ConfigError
 from ..jsonio import check_tree
 from ..lora import merged
-from ..models.hf import hf_spec, hf_tensors
+from ..models.hf import hf_tensors
+from ..models.hf_config import hf_spec
 from .base import EngineError, Rollout, WeightsSeen
 from .protocol import (
     check_servable,

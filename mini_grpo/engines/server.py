@@ -51,7 +51,8 @@ from .. import distributed as D
 from ..checkpoint import CheckpointError
 from ..fields import ArgParser, ConfigError
 from ..jsonio import check_tree
-from ..models.hf import hf_spec, hf_tensors, read_config
+from ..models.hf import hf_tensors
+from ..models.hf_config import hf_spec, read_config
 from .protocol import TOKEN_ENV, complete, engine_config, server_token
 from .vllm import _summary, build_llm, engine_dtype, import_vllm, reload, shutdown
 
