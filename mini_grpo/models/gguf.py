@@ -83,33 +83,17 @@ def hf_config(f: GGUFFile) -> dict:
     if "rope_freqs.weight" in f.tensors:
         raise CheckpointError(f"{f.path}: rope_freqs (Llama 3.1's rope scaling) is not "
                               f"supported")
-    n_embd = _meta(f, a + "embedding_length", int)
-    n_head = _meta(f, a + "attention.head_count", int, hi=1 << 12)
-    head_dim = _meta(f, a + "attention.key_length", int, n_embd // n_head, hi=1 << 12)
+    config = _sizes(f, a, rope_base=10000.0)
+    head_dim = config["head_dim"]
     rot = f.meta.get(a + "rope.dimension_count", head_dim)
     if rot != head_dim:
         raise CheckpointError(f"{f.path}: {a}rope.dimension_count {rot!r:.20} differs from "
                               f"the head size {head_dim} (partial rotary is not supported)")
-    tokens = f.meta.get("tokenizer.ggml.tokens")
-    vocab = _meta(f, a + "vocab_size", int, len(tokens) if isinstance(tokens, list) else None)
     blk = "blk.0."
     return {"model_type": arch, "architectures": [f"{arch.capitalize()}ForCausalLM"],
-            "vocab_size": vocab, "hidden_size": n_embd,
-            "max_position_embeddings": _meta(f, a + "context_length", int, 2048),
-            "num_hidden_layers": _meta(f, a + "block_count", int, hi=1 << 12),
-            "intermediate_size": _meta(f, a + "feed_forward_length", int),
-            "num_attention_heads": n_head,
-            "num_key_value_heads": _meta(f, a + "attention.head_count_kv", int, n_head,
-                                         hi=1 << 12),
-            "head_dim": head_dim, "hidden_act": "silu",
-            "rms_norm_eps": _meta(f, a + "attention.layer_norm_rms_epsilon", float, 1e-6,
-                                  lo=1e-12, hi=0.5),
-            "rope_theta": _meta(f, a + "rope.freq_base", float, 10000.0, hi=1e12),
-            "rope_scaling": _rope_scaling(f, a),
+            **config, "hidden_act": "silu",
             "attention_bias": arch == "llama" and blk + "attn_q.bias" in f.tensors,
-            "mlp_bias": blk + "ffn_gate.bias" in f.tensors,
-            "tie_word_embeddings": "output.weight" not in f.tensors,
-            "dtype": "float32"}
+            "mlp_bias": blk + "ffn_gate.bias" in f.tensors}
 
 
 def _gemma3_config(f: GGUFFile) -> dict:
@@ -117,29 +101,40 @@ def _gemma3_config(f: GGUFFile) -> dict:
     adds: the sliding pattern and local RoPE base above, the scores scaled by the head size
     (27B, of 62 layers: by hidden / heads)."""
     a = "gemma3."
+    config = _sizes(f, a, rope_base=1e6)
+    n_layer, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            **config, "hidden_activation": "gelu_pytorch_tanh",
+            "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+            "sliding_window": _meta(f, a + "attention.sliding_window", int, 4096),
+            "layer_types": ["full_attention" if (i + 1) % GEMMA3_SWA_EVERY == 0
+                            else "sliding_attention" for i in range(n_layer)],
+            "query_pre_attn_scalar": config["hidden_size"] // heads if n_layer == 62
+            else config["head_dim"]}
+
+
+def _sizes(f: GGUFFile, a: str, rope_base: float) -> dict:
+    """What llama.cpp's keys `a`* say alike for each family: sizes, norm epsilon, RoPE (base
+    `rope_base` where the file gives none), tied head (no output.weight), as config.json
+    names them."""
     n_embd = _meta(f, a + "embedding_length", int)
     n_head = _meta(f, a + "attention.head_count", int, hi=1 << 12)
-    n_layer = _meta(f, a + "block_count", int, hi=1 << 12)
-    head_dim = _meta(f, a + "attention.key_length", int, n_embd // n_head, hi=1 << 12)
     tokens = f.meta.get("tokenizer.ggml.tokens")
-    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
-            "vocab_size": _meta(f, a + "vocab_size", int,
+    return {"vocab_size": _meta(f, a + "vocab_size", int,
                                 len(tokens) if isinstance(tokens, list) else None),
-            "hidden_size": n_embd, "num_hidden_layers": n_layer,
+            "hidden_size": n_embd,
             "max_position_embeddings": _meta(f, a + "context_length", int, 2048),
+            "num_hidden_layers": _meta(f, a + "block_count", int, hi=1 << 12),
             "intermediate_size": _meta(f, a + "feed_forward_length", int),
             "num_attention_heads": n_head,
             "num_key_value_heads": _meta(f, a + "attention.head_count_kv", int, n_head,
                                          hi=1 << 12),
-            "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+            "head_dim": _meta(f, a + "attention.key_length", int, n_embd // n_head,
+                              hi=1 << 12),
             "rms_norm_eps": _meta(f, a + "attention.layer_norm_rms_epsilon", float, 1e-6,
                                   lo=1e-12, hi=0.5),
-            "rope_theta": _meta(f, a + "rope.freq_base", float, 1e6, hi=1e12),
-            "rope_scaling": _rope_scaling(f, a), "rope_local_base_freq": GEMMA3_LOCAL_BASE,
-            "sliding_window": _meta(f, a + "attention.sliding_window", int, 4096),
-            "layer_types": ["full_attention" if (i + 1) % GEMMA3_SWA_EVERY == 0
-                            else "sliding_attention" for i in range(n_layer)],
-            "query_pre_attn_scalar": n_embd // n_head if n_layer == 62 else head_dim,
+            "rope_theta": _meta(f, a + "rope.freq_base", float, rope_base, hi=1e12),
+            "rope_scaling": _rope_scaling(f, a),
             "tie_word_embeddings": "output.weight" not in f.tensors, "dtype": "float32"}
 
 
@@ -212,7 +207,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = torch.float32,
     """(model, tokenizer) of a GGUF file: its weights dequantized to `dtype`. The config.json
     it implies is kept as `model.hf_config`, so exports write it. `weights=False`: the model
     on the meta device, checked against the file's tensor directory alone."""
-    from .hf import hf_spec
+    from .hf_config import hf_spec
 
     f = read_gguf(path)
     config = hf_config(f)
@@ -273,7 +268,7 @@ def write_gguf(model: CausalLM, tok, path: str | Path, qtype: str = "f16",
     sibling and renamed (outputs.write_atomic)."""
     import gguf
 
-    from .hf import export_config
+    from .hf_config import export_config
 
     if qtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {qtype!r}")

@@ -81,19 +81,7 @@ def gguf_tokenizer(f):
     if signature is None and not spm:
         raise CheckpointError(f"{f.path}: tokenizer.ggml.pre {str(pre)[:40]!r} is not "
                               f"supported ({', '.join(n for ns in PRE_TOKENIZERS for n in ns)})")
-    tokens, merges = f.meta.get("tokenizer.ggml.tokens"), f.meta.get("tokenizer.ggml.merges", [])
-    types = f.meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens or []))
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens must be a list of strings")
-    if not isinstance(types, list) or len(types) != len(tokens) or \
-            not all(isinstance(t, int) for t in types):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type must give one integer per "
-                              f"token ({len(tokens)})")
-    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1
-                                               for m in merges):
-        raise CheckpointError(f"{f.path}: tokenizer.ggml.merges must be strings 'a b'")
-    if spm:  # a token of spaces alone is stored with spaces, looked up with "\u2581"
-        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    tokens, types, merges = _vocab_lists(f, spm)
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens lists a token twice")
@@ -114,16 +102,7 @@ def gguf_tokenizer(f):
                            for t, k in zip(tokens, types) if k == CONTROL])
     tk.add_tokens([AddedToken(t, special=False, normalized=False)
                    for t, k in zip(tokens, types) if k == USER_DEFINED])
-    specials = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
-        i = f.meta.get(f"tokenizer.ggml.{key}")
-        if i is None:
-            continue
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens):
-            raise CheckpointError(f"{f.path}: tokenizer.ggml.{key} {i!r:.40} is not a token "
-                                  f"id (0 to {len(tokens) - 1})")
-        specials[name] = tokens[i]
+    specials = _specials(f, tokens)
     bos = specials.get("bos_token")
     if f.meta.get("tokenizer.ggml.add_bos_token") is True and bos is not None:
         # the template names BOS by a key of ours, its text given apart: a template string
@@ -144,6 +123,40 @@ def gguf_tokenizer(f):
                             "tokenizer": f"{f.path}: tokenizer.ggml"})
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+
+
+def _vocab_lists(f, spm: bool) -> tuple[list[str], list[int], list[str]]:
+    """The file's tokens, their types and its merges ("a b"), each checked; a SentencePiece
+    token of spaces alone comes back as the "\u2581"s it is looked up by."""
+    tokens, merges = f.meta.get("tokenizer.ggml.tokens"), f.meta.get("tokenizer.ggml.merges", [])
+    types = f.meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens or []))
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.tokens must be a list of strings")
+    if not isinstance(types, list) or len(types) != len(tokens) or \
+            not all(isinstance(t, int) for t in types):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.token_type must give one integer per "
+                              f"token ({len(tokens)})")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1
+                                               for m in merges):
+        raise CheckpointError(f"{f.path}: tokenizer.ggml.merges must be strings 'a b'")
+    if spm:  # a token of spaces alone is stored with spaces, looked up with "\u2581"
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    return tokens, types, merges
+
+
+def _specials(f, tokens: list[str]) -> dict[str, str]:
+    """{"bos_token": text, ...} from the file's special token ids, each checked."""
+    specials = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        i = f.meta.get(f"tokenizer.ggml.{key}")
+        if i is None:
+            continue
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens):
+            raise CheckpointError(f"{f.path}: tokenizer.ggml.{key} {i!r:.40} is not a token "
+                                  f"id (0 to {len(tokens) - 1})")
+        specials[name] = tokens[i]
+    return specials
 
 
 def spm_merges(tokens: list[str]) -> list[tuple[str, str]]:
