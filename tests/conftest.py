@@ -147,8 +147,9 @@ def tiny_lm_dir(path, model_type: str = "qwen2", seed: int = 0, heads: int = 4,
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                                   pad_token="<|endoftext|>")
     hf_tok.chat_template = CHATML
-    # Gemma 3: a small head, a sliding window shorter than a prompt, one layer of each kind
-    gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+    # Gemma 3: a sliding window shorter than a prompt, one layer of each kind; the head is
+    # the width over the heads, as the other families' (heads=2: vLLM's CPU minimum of 32)
+    gemma = dict(head_dim=64 // heads, query_pre_attn_scalar=64 // heads, sliding_window=8,
                  layer_types=["sliding_attention", "full_attention"])
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=96,

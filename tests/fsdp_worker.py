@@ -2,8 +2,8 @@
 FSDP, or 4 ranks and HSDP (2 replicas of a model sharded over 2 ranks): 3 GRPO steps of the
 trainer's own functions (advantages with the global normalisers, the micro-batch plan,
 policy_pass with fsdp's padding to equal passes, clipping, fused AdamW) on fixed rollout
-batches, for our GPT and a Llama-family model with an untied head, and that Llama training
-LoRA adapters on its frozen base. Rank 0 saves {family: full
+batches, for our GPT, a Llama-family model with an untied head, that Llama training LoRA
+adapters on its frozen base, and a Gemma 3 (tied head, a sliding window). Rank 0 saves {family: full
 parameters, family/memory: each rank's memory report, family/passes: each rank's micro-batch
 counts, and under fsdp family/from_plain: see resumed_from_plain, family/from_rank0: see
 sent_from_rank0, family/reference(_bytes): the full weights and each rank's bytes of
@@ -22,7 +22,7 @@ from mini_grpo import distributed as D
 from mini_grpo import fsdp
 from mini_grpo.config import load_config
 from mini_grpo.lora import apply_lora
-from mini_grpo.models import GPT, GPTConfig, Llama, LlamaConfig
+from mini_grpo.models import GPT, Gemma, GemmaConfig, GPTConfig, Llama, LlamaConfig
 from mini_grpo.optim import make_optimizer
 from mini_grpo.precision import compile_with_fallback
 from mini_grpo.sft import sft_pass
@@ -31,10 +31,16 @@ from mini_grpo.trajectory import Trajectory
 
 
 def build(family: str):
-    """gpt, llama, or llama_lora: the Llama with LoRA adapters (r 4) on its frozen base."""
+    """gpt, llama, llama_lora (the Llama with LoRA adapters, r 4, on its frozen base), or
+    gemma (Gemma 3: tied head, a sliding layer whose window of 4 is shorter than the rows)."""
     torch.manual_seed(0)
     if family == "gpt":
         return GPT(GPTConfig(vocab_size=24, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    if family == "gemma":
+        return Gemma(GemmaConfig(vocab_size=24, block_size=64, n_layer=2, n_head=4,
+                                 n_kv_head=2, n_embd=32, head_dim=8, n_inner=48,
+                                 layer_types=["sliding_attention", "full_attention"],
+                                 sliding_window=4, query_pre_attn_scalar=8.0))
     model = Llama(LlamaConfig(vocab_size=24, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
                               n_embd=32, head_dim=8, n_inner=48))
     if family == "llama_lora":
@@ -78,7 +84,7 @@ def sent_from_rank0(trained, family: str, is_main: bool) -> dict:
             model = build(family)
     fsdp.shard(model, torch.device("cpu"))
     fsdp.load_from_rank0(model, full if is_main else {}, torch.device("cpu"))
-    assert bool(model.tied_head()) == (family == "gpt")  # a tied head stays tied
+    assert bool(model.tied_head()) == (family in ("gpt", "gemma"))  # a tied head stays tied
     return {k: v.clone() for k, v in fsdp.model_state(model).items()}
 
 
@@ -119,7 +125,7 @@ def main(out_path: str, parallelism: str) -> None:
                              "group_size": G,
                              "max_new_tokens": 12, "use_amp": False}, env={})
     out = {}
-    for family in ("gpt", "llama", "llama_lora"):
+    for family in ("gpt", "llama", "llama_lora", "gemma"):
         model = build(family)
         sharded = parallelism in ("fsdp", "hsdp") and W > 1
         if sharded:

@@ -1,5 +1,6 @@
 """FSDP2 beside DDP, on CPU with gloo and 2 ranks: the same parameters after 3 GRPO steps as
-DDP and as one process (HSDP too, on 4 ranks; LoRA's adapters too, the base untouched), half
+DDP and as one process (HSDP too, on 4 ranks; LoRA's adapters too, the base untouched; our
+GPT, a Llama and a Gemma 3), half
 the bytes per rank, and a run that trains, checkpoints and resumes under torchrun (also onto
 another number of ranks, both ways)."""
 
@@ -38,7 +39,7 @@ def test_fsdp_trains_to_the_parameters_of_ddp_and_of_one_process(tmp_path):
     for other in (ddp, fsdp, hsdp):
         for got, want in zip(other["sft"], one["sft"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-    for family in ("gpt", "llama", "llama_lora"):
+    for family in ("gpt", "llama", "llama_lora", "gemma"):
         assert fsdp[f"{family}/passes"][0] != fsdp[f"{family}/passes"][1]  # padding ran
         init = build(family).state_dict()
         moved = max((one[family][k] - v).abs().max().item() for k, v in init.items())

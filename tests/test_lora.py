@@ -162,16 +162,18 @@ def test_a_base_kept_in_bf16_changes_nothing_under_bf16_autocast():
 @pytest.fixture(scope="module")
 def lm_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm")
-    return {t: tiny_lm_dir(root / t, model_type=t) for t in ("qwen2", "llama", "gpt2")}
+    return {t: tiny_lm_dir(root / t, model_type=t) for t in ("qwen2", "llama", "gpt2",
+                                                              "gemma3_text")}
 
 
 # per family: a layer the merged export holds, and a subset of layers for peft's own adapter
 LAYERS = {"qwen2": ("model.layers.1.mlp.down_proj.weight", ["down_proj", "q_proj", "v_proj"]),
           "llama": ("model.layers.1.mlp.down_proj.weight", ["down_proj", "q_proj", "v_proj"]),
-          "gpt2": ("transformer.h.1.mlp.c_fc.weight", ["c_attn", "c_fc"])}
+          "gpt2": ("transformer.h.1.mlp.c_fc.weight", ["c_attn", "c_fc"]),
+          "gemma3_text": ("model.layers.1.mlp.down_proj.weight", ["down_proj", "o_proj", "q_proj"])}
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gpt2"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gpt2", "gemma3_text"])
 def test_peft_reads_our_adapter_merges_as_we_do_and_we_read_its(lm_dirs, model_type, tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")

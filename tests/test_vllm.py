@@ -55,10 +55,13 @@ def test_vllm_samples_what_the_policy_would(family, tmp_path):
     check_parity(worker("parity", family, tmp_path))
 
 
-def test_the_sync_covers_qwen3_norms_and_gpt2s_transposed_weights(tmp_path):
-    # Qwen3's per-head q/k norms and GPT-2's Conv1D layout (transposed on the way out),
-    # both families in one process, one engine after the other
-    for out in worker("parity", "qwen3,gpt2", tmp_path).values():
+def test_the_sync_covers_qwen3_norms_gpt2s_transposed_weights_and_gemma3(tmp_path):
+    # Qwen3's per-head q/k norms, GPT-2's Conv1D layout (transposed on the way out) and
+    # Gemma 3's (its four norms a layer, 1 + w, and a sliding window of 8, shorter than the
+    # prompts), the families in one process, one engine after the other
+    outs = worker("parity", "qwen3,gpt2,gemma3_text", tmp_path)
+    assert sorted(outs) == ["gemma3_text", "gpt2", "qwen3"]
+    for out in outs.values():
         check_parity(out)
 
 
