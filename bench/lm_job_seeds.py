@@ -47,6 +47,7 @@ def row(name: str, seed: int, r: dict) -> dict:
             **{f"{mode}_{stage}": acc(stage, mode) for stage in ("sft", "rft") if stage in ev
                for mode in ("greedy", "sampled")},
             "length_after": round(ev["after"]["greedy"]["length"], 1),
+            "grpo_reward": r.get("grpo_reward"),  # each GRPO step's mean reward: the curve
             **({"env": r["env"]} if "env" in r else {})}
 
 

@@ -331,6 +331,17 @@ def lm_job_choices() -> str:
          "sampled_after", "peak_rss_gb")])
 
 
+def rl_alone_models() -> str:
+    """GRPO alone (the verifier, no demonstrations) from each real model, the LM job's 30
+    minutes on the Zen4; the base model's own accuracy in the label."""
+    jobs = [("SmolLM2-135M-Instruct", named("lm_job_seeds_zen4.json", "grpo_concise_30min")),
+            ("Gemma 3 270M, the pretrained base model (no chat template: plain-text prompts)",
+             named("gemma3_rl_alone_zen4.json", "gemma3_grpo_alone_30min"))]
+    return seed_rows([
+        (f"{model}; before GRPO: {mean_se([r['greedy_before'] for r in rs])} greedy", rs,
+         "greedy_after", "sampled_after", "peak_rss_gb") for model, rs in jobs])
+
+
 def lm_job_lora() -> str:
     """The default against LoRA under it (both learning rates 10x), on the Xeon over seeds."""
     xeon = "lm_job_seeds_xeon.json"
@@ -528,6 +539,7 @@ TABLES = {"lm_job": lm_job, "lm_job_runs": lm_job_runs, "calculator": calculator
           "calculator_fresh": calculator_fresh,
           "rl_screen": screen("rl_screen_zen4.json"),  # issue 70: RL after SFT
           "rl_alone_screen": screen("rl_alone_screen_zen4.json"),  # and from the base model
+          "rl_alone_models": rl_alone_models,
           "rl_memorize": screen("rl_memorize_zen4.json"),  # a small pool, seen again
           "lm_job_cost": lm_job_cost, "calculator_cost": calculator_cost,
           "step_cost": step_cost, "step_kinds": step_kinds, "turns_overhead": turns_overhead,
