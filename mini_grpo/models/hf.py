@@ -4,16 +4,15 @@
     save_hf(model, "out/hf", tokenizer=tok)                   # transformers loads it back
 
 Supported architectures (`model_type` in config.json): see hf_config.HF_TYPES (config.json's
-reading and writing live there); anything else is a CheckpointError naming it and the
-supported ones. Weights are read with `safetensors` (no
-pickle), from `model.safetensors` or the shards a `model.safetensors.index.json` lists; the
-model is built on the meta device and the checkpoint's tensors are assigned into it, so no
-random model is materialised first, and the sizes the config implies are compared with the
-file's before any tensor is read (a config.json is untrusted input: its sizes are bounded by
-the weights it comes with), and with this machine's memory (`models.check_size`, the rule our
-own GPT's config fields go through too). Missing, unexpected or mismatched weights are named
-(the first few). Nothing is downloaded: fetch a model with the hub's own CLI first, then point
-here.
+reading and writing live there); anything else is a CheckpointError naming it and the supported
+ones. Weights are read with `safetensors` (no pickle), from `model.safetensors` or the shards a
+`model.safetensors.index.json` lists; the model is built on the meta device and the checkpoint's
+tensors are assigned into it, so no random model is materialised first, and the sizes the config
+implies are compared with the file's before any tensor is read (a config.json is untrusted
+input: its sizes are bounded by the weights it comes with), and with this machine's memory
+(`models.check_size`, the rule our own GPT's config fields go through too). Missing, unexpected
+or mismatched weights are named (the first few). Nothing is downloaded: fetch a model with the
+hub's own CLI first, then point here.
 
 GPT-2 in our GPT: Conv1D weights are stored (in, out) and are transposed to Linear's
 (out, in); `gelu_new` is the tanh GELU; the LM head is tied to the token embedding unless
